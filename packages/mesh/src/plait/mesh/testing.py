@@ -1,0 +1,136 @@
+"""Run a function on N CPU ranks with gloo, for tests.
+
+Every package's multi-rank tests use this: each rank is a process with one intra-op thread, the
+function's return values come back as a list indexed by rank, a rank's exception is re-raised in
+the caller with that rank's traceback, and a run that does not finish within `timeout` is killed
+and fails — a test never hangs.
+
+Ranks are forked from a forkserver that has already imported torch, so a rank starts in well
+under a second instead of paying torch's import each time.
+"""
+
+import datetime
+import os
+import pickle
+import queue
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+class RankError(RuntimeError):
+    """A rank raised; the message carries its traceback."""
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "plait.mesh.testing"])
+    return ctx
+
+
+def _rank_main(rank: int, world_size: int, store_path: str, payload: bytes, sys_path: list[str], results) -> None:
+    # The forkserver was started with an earlier sys.path; tests import their helpers by module name.
+    sys.path[:] = sys_path
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+    )
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        fn, args, kwargs = pickle.loads(payload)
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120)
+        )
+        try:
+            result = fn(rank, world_size, *args, **kwargs)
+        except BaseException:
+            # Report before tearing down: peers then fail with "connection reset", and the
+            # parent must see the first error, not theirs.
+            results.put((rank, False, traceback.format_exc(), time.time()))
+            raise
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, pickle.dumps(result), time.time()))
+    except BaseException:  # anything else (start-up, pickling), including SystemExit
+        results.put((rank, False, traceback.format_exc(), time.time()))
+
+
+def _first_error(results, first: tuple[float, int, str]) -> tuple[int, str]:
+    """Of the errors reported within a second of the first one, the earliest: the root cause."""
+    errors = [first]
+    drain_until = time.monotonic() + 1.0
+    while time.monotonic() < drain_until:
+        try:
+            rank, ok, data, when = results.get(timeout=max(0.0, drain_until - time.monotonic()))
+        except queue.Empty:
+            break
+        if not ok:
+            errors.append((when, rank, data))
+    _, rank, data = min(errors)
+    return rank, data
+
+
+def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, **kwargs: Any) -> list:
+    """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` gloo ranks; return each rank's result.
+
+    `fn` must be importable by name (a module-level function). The process group is initialised
+    before `fn` runs and destroyed after it returns.
+    """
+    ctx = _context()
+    results = ctx.Queue()
+    payload = pickle.dumps((fn, args, kwargs))
+    with tempfile.TemporaryDirectory(prefix="plait-ranks-") as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(rank, world_size, store_path, payload, list(sys.path), results),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        outcome: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        try:
+            while len(outcome) < world_size:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    missing = sorted(set(range(world_size)) - set(outcome))
+                    raise TimeoutError(
+                        f"{fn.__name__} on {world_size} ranks did not finish within {timeout:.0f} s; "
+                        f"ranks still running: {missing}"
+                    )
+                try:
+                    rank, ok, data, when = results.get(timeout=min(remaining, 1.0))
+                except queue.Empty:
+                    dead = [r for r, p in enumerate(procs) if r not in outcome and p.exitcode not in (None, 0)]
+                    if dead:
+                        raise RankError(
+                            f"rank {dead[0]} of {fn.__name__} died with exit code {procs[dead[0]].exitcode}"
+                        ) from None
+                    continue
+                if not ok:
+                    rank, data = _first_error(results, (when, rank, data))
+                    raise RankError(f"rank {rank} of {fn.__name__} raised:\n{data}")
+                outcome[rank] = pickle.loads(data)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            for p in procs:
+                p.join(timeout=5)
+    return [outcome[r] for r in range(world_size)]

@@ -1,0 +1,106 @@
+"""Every named view has the right size and groups the right ranks, for every rank of a layout.
+
+Rank coordinates come from a fake process group (no processes: all ranks checked in one), the
+real gloo groups are exercised in test_mesh_distributed.py.
+"""
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from plait.mesh import ParallelDims, build_meshes
+
+DENSE = ("dp_replicate", "dp_shard", "cp", "tp")
+SPARSE = ("dp_replicate", "efsdp", "ep", "etp")
+VIEWS = {
+    "dp": (DENSE, ("dp_replicate", "dp_shard")),
+    "dp_shard_cp": (DENSE, ("dp_shard", "cp")),
+    "dp_cp": (DENSE, ("dp_replicate", "dp_shard", "cp")),
+    "cp": (DENSE, ("cp",)),
+    "tp": (DENSE, ("tp",)),
+    "ep": (SPARSE, ("ep",)),
+    "etp": (SPARSE, ("etp",)),
+    "efsdp": (SPARSE, ("efsdp",)),
+}
+
+
+def expected_group(dims: ParallelDims, rank: int, layout: tuple[str, ...], axes: tuple[str, ...]) -> list[int]:
+    """Ranks that share every coordinate of `rank` except those on `axes` (row-major layout)."""
+    sizes = [getattr(dims, a) for a in layout]
+    grid = torch.arange(dims.world_size).reshape(sizes)
+    coord = [int(c) for c in (grid == rank).nonzero()[0]]
+    index = tuple(slice(None) if a in axes else c for a, c in zip(layout, coord))
+    return sorted(grid[index].flatten().tolist())
+
+
+LAYOUTS = [
+    dict(world_size=1),
+    dict(world_size=2, dp_shard=2),
+    dict(world_size=2, dp_replicate=2, dp_shard=1),
+    dict(world_size=2, tp=2, dp_shard=1),
+    dict(world_size=4, dp_shard=2, cp=2),
+    dict(world_size=4, dp_replicate=2, dp_shard=2),
+    dict(world_size=4, dp_shard=4, ep=2),
+    dict(world_size=4, dp_shard=2, tp=2, ep=2, etp=2),
+    dict(world_size=8, dp_replicate=2, dp_shard=2, tp=2),
+    dict(world_size=8, dp_shard=2, cp=2, tp=2),
+    dict(world_size=8, dp_shard=2, cp=2, ep=4, tp=2),
+    dict(world_size=8, dp_shard=2, cp=2, ep=4, tp=2, etp=2),
+    dict(world_size=8, dp_replicate=2, dp_shard=4, ep=2),
+    dict(world_size=8, dp_shard=8),
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
+def test_views_group_the_right_ranks(layout):
+    dims = ParallelDims(**layout)
+    if dims.world_size == 1:
+        meshes = build_meshes(dims)
+        assert all(getattr(meshes, v) is None for v in VIEWS) and meshes.dp_rank == 0
+        return
+    for rank in range(dims.world_size):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world_size)
+        try:
+            meshes = build_meshes(dims)
+            for view, (layout_axes, axes) in VIEWS.items():
+                size = 1
+                for a in axes:
+                    size *= getattr(dims, a)
+                mesh = getattr(meshes, view)
+                if size == 1 or (layout_axes is SPARSE and dims.ep == 1):
+                    assert mesh is None, view
+                    continue
+                assert mesh.size() == size, view
+                got = sorted(dist.get_process_group_ranks(mesh.get_group()))
+                assert got == expected_group(dims, rank, layout_axes, axes), (view, rank)
+            expected_dp = expected_group(dims, rank, DENSE, ("dp_replicate", "dp_shard"))
+            assert meshes.dp_rank == expected_dp.index(rank)
+            _check_fsdp_meshes(dims, meshes)
+        finally:
+            dist.destroy_process_group()
+
+
+def _check_fsdp_meshes(dims, meshes):
+    if dims.hsdp_enabled:
+        assert meshes.fsdp.ndim == 2 and meshes.fsdp.shape == (dims.dp_replicate, dims.dp_shard_cp)
+    elif dims.dp_shard_cp > 1 or dims.dp_replicate > 1:
+        assert meshes.fsdp.ndim == 1 and meshes.fsdp.size() == max(dims.dp_shard_cp, dims.dp_replicate)
+    else:
+        assert meshes.fsdp is None
+    if dims.ep > 1 and dims.dp_replicate > 1 and dims.efsdp > 1:
+        assert meshes.expert_fsdp.shape == (dims.dp_replicate, dims.efsdp)
+
+
+def test_views_are_orthogonal_and_cover_the_world():
+    dims = ParallelDims(world_size=8, dp_shard=2, cp=2, tp=2)
+    dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=8)
+    try:
+        meshes = build_meshes(dims)
+        # the ep/efsdp/etp product and the dense product both tile the 8 ranks
+        assert meshes.dp_shard_cp.size() * meshes.tp.size() == 8
+        assert list(itertools.chain(meshes.dense.mesh.flatten().tolist())) == list(range(8))
+    finally:
+        dist.destroy_process_group()

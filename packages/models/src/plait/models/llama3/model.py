@@ -1,0 +1,214 @@
+"""Llama 3 (Grattafiori et al., 2024): a pre-norm decoder-only transformer with grouped-query
+attention, SwiGLU feed-forward layers, RMSNorm and rotary position embeddings.
+
+Plain single-device PyTorch. Parallelism is applied from outside using the data that
+`Transformer.parallel_info()` returns (see docs/contracts.md); nothing here knows about it,
+except that shapes are inferred from tensors (e.g. the local head count under tensor parallel).
+"""
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from plait.models.common import ScaledDotProductAttention, repeat_kv
+from plait.models.llama3.args import ModelArgs
+from plait.models.llama3.rope import apply_rope, rope_at, rope_tables
+
+# Init std of the projections that read the residual stream (torchtitan's scheme).
+INIT_STD = 0.02
+
+
+class Attention(nn.Module):
+    """Grouped-query attention: n_heads query heads share n_kv_heads key/value heads."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        # The one place attention is computed; context parallel replaces this module.
+        self.sdpa = ScaledDotProductAttention()
+
+    def forward(self, x_BSD: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        # Head counts are inferred (-1), so tensor parallel's local heads work unchanged.
+        q_BSHD = self.wq(x_BSD).view(B, S, -1, self.head_dim)
+        k_BSKD = self.wk(x_BSD).view(B, S, -1, self.head_dim)
+        v_BSKD = self.wv(x_BSD).view(B, S, -1, self.head_dim)
+
+        q_BSHD = apply_rope(q_BSHD, rope_cos, rope_sin)
+        k_BSKD = apply_rope(k_BSKD, rope_cos, rope_sin)
+
+        # Repeat kv heads so the sdpa module sees equal head counts (simpler for CP kernels).
+        n_rep = q_BSHD.shape[2] // k_BSKD.shape[2]
+        k_BSHD = repeat_kv(k_BSKD, n_rep)
+        v_BSHD = repeat_kv(v_BSKD, n_rep)
+
+        out_BHSD = self.sdpa(q_BSHD.transpose(1, 2), k_BSHD.transpose(1, 2), v_BSHD.transpose(1, 2))
+        out_BSE = out_BHSD.transpose(1, 2).reshape(B, S, -1)
+        return self.wo(out_BSE)
+
+    def init_weights(self, out_proj_std: float):
+        for linear in (self.wq, self.wk, self.wv):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=INIT_STD)
+        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=out_proj_std)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x_BSD)) * self.w3(x_BSD))
+
+    def init_weights(self, out_proj_std: float):
+        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=INIT_STD)
+        # w3 gets the depth-scaled std too, as in torchtitan.
+        for linear in (self.w2, self.w3):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=out_proj_std)
+
+
+class TransformerBlock(nn.Module):
+    """x + attention(norm(x)), then + feed_forward(norm(.)): pre-norm residual block."""
+
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        # Output projections add into the residual stream; scaling their std by depth keeps the
+        # stream's variance from growing with the number of blocks.
+        if args.depth_init:
+            self.out_proj_init_std = INIT_STD / (2 * (layer_id + 1)) ** 0.5
+        else:
+            self.out_proj_init_std = INIT_STD / (2 * args.n_layers) ** 0.5
+
+    def forward(self, x_BSD: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
+        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), rope_cos, rope_sin)
+        return h_BSD + self.feed_forward(self.ffn_norm(h_BSD))
+
+    def init_weights(self):
+        for norm in (self.attention_norm, self.ffn_norm):
+            nn.init.ones_(norm.weight)
+        self.attention.init_weights(self.out_proj_init_std)
+        self.feed_forward.init_weights(self.out_proj_init_std)
+
+
+class Transformer(nn.Module):
+    """Token embedding -> n_layers blocks -> RMSNorm -> output projection to vocabulary logits."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A ModuleDict keyed "0".."n-1" keeps module paths `layers.0`, ... stable when pipeline
+        # parallel deletes some layers.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self._tie_embeddings()
+        # Non-persistent: derived from args, never checkpointed; init_weights recomputes them after
+        # a meta-device build.
+        rope_cos_LK, rope_sin_LK = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling)
+        self.register_buffer("rope_cos", rope_cos_LK, persistent=False)
+        self.register_buffer("rope_sin", rope_sin_LK, persistent=False)
+
+    def _tie_embeddings(self):
+        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+    def _apply(self, fn, recurse=True):
+        # Moving off the meta device (to_empty) gives each module its own new Parameter, which
+        # silently unties a shared weight; tie it again after every conversion.
+        module = super()._apply(fn, recurse)
+        self._tie_embeddings()
+        return module
+
+    def forward(self, tokens_BS: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, S] int64, positions [S] or [B, S] int64 (default arange(S)) -> logits [B, S, V]."""
+        # A pipeline stage without the embedding receives hidden states [B, S, D] instead of tokens.
+        h_BSD = self.tok_embeddings(tokens_BS) if self.tok_embeddings is not None else tokens_BS
+        if positions is None:
+            positions = torch.arange(tokens_BS.shape[1], device=tokens_BS.device)
+        rope_cos, rope_sin = rope_at(self.rope_cos, self.rope_sin, positions)
+        for layer in self.layers.values():
+            h_BSD = layer(h_BSD, rope_cos, rope_sin)
+        h_BSD = self.norm(h_BSD) if self.norm is not None else h_BSD
+        return self.output(h_BSD) if self.output is not None else h_BSD
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | str | None = None):
+        """Initialise every parameter exactly once and recompute the RoPE tables.
+
+        Call after building on the meta device and `to_empty(device=...)`; works on DTensor
+        parameters (nn.init dispatches on them). `buffer_device` places the RoPE tables, e.g. on
+        the GPU when the parameters were materialised on the CPU.
+        """
+        buffer_device = buffer_device if buffer_device is not None else self.rope_cos.device
+        args = self.args
+        with torch.device(buffer_device):
+            self.rope_cos, self.rope_sin = rope_tables(
+                args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling
+            )
+        # Tied: one matrix serves both ends; it takes the output init because the logit scale
+        # matters at step 0, while the embedding's scale is normalised away by the first RMSNorm.
+        if self.tok_embeddings is not None and not args.tie_embeddings:
+            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=1.0)
+        for layer in self.layers.values():
+            layer.init_weights()
+        if self.norm is not None:
+            nn.init.ones_(self.norm.weight)
+        if self.output is not None:
+            std = args.dim**-0.5
+            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+    def parallel_info(self) -> dict:
+        """Blocks, tensor-parallel plan and CP metadata as plain data (docs/contracts.md)."""
+        blocks = [f"layers.{name}" for name in self.layers]
+        return {
+            "blocks": blocks,
+            "tp_plan": {
+                "tok_embeddings": "embedding_rowwise",
+                "norm": "sequence_parallel",
+                "output": "output_colwise",
+                "layers.*.attention_norm": "sequence_parallel",
+                "layers.*.attention": "prepare_input",
+                "layers.*.attention.wq": "colwise",
+                "layers.*.attention.wk": "colwise",
+                "layers.*.attention.wv": "colwise",
+                "layers.*.attention.wo": "rowwise",
+                "layers.*.ffn_norm": "sequence_parallel",
+                "layers.*.feed_forward": "prepare_input",
+                "layers.*.feed_forward.w1": "colwise",
+                "layers.*.feed_forward.w2": "rowwise",
+                "layers.*.feed_forward.w3": "colwise",
+            },
+            # RoPE is gathered by explicit positions, so no buffer needs sharding on sequence.
+            "seq_dim_buffers": {},
+            "seq_dim_inputs": {"tokens": 1, "positions": 1},
+            "experts": [],
+            "attention_modules": [f"{block}.attention.sdpa" for block in blocks],
+        }
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 x non-embedding params + 12 * L * H * head_dim * seq_len.
+
+        The torchtitan convention (causal attention not halved). Counted from args rather than
+        from parameters so sharding or deleted pipeline stages do not change it. The output
+        projection counts as a matmul even when tied to the embedding; the embedding lookup does not.
+        """
+        args = self.args
+        attention = 2 * args.dim * args.n_heads * args.head_dim + 2 * args.dim * args.n_kv_heads * args.head_dim
+        feed_forward = 3 * args.dim * args.ffn_hidden_dim
+        norms = 2 * args.dim
+        non_embedding = args.n_layers * (attention + feed_forward + norms) + args.dim + args.dim * args.vocab_size
+        return 6 * non_embedding + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len

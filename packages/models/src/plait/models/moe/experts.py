@@ -1,0 +1,96 @@
+"""Routed experts: E SwiGLU MLPs computed together with `torch._grouped_mm`.
+
+Weights are stacked `[E, in, out]` so a token block multiplies them without a transpose, and expert
+parallel only has to shard dim 0. The module never routes: it receives tokens already sorted by
+expert plus how many rows each expert owns, which is the interface expert parallel hooks into
+(dispatch before `forward`, combine after).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    # Expert parallel shards the weights as DTensors; token counts are data-dependent, which a
+    # DTensor cannot express, so compute on the local shard. Duck-typed because a model must not
+    # import torch.distributed.
+    return w.to_local() if hasattr(w, "to_local") else w
+
+
+def _grouped_mm_ok(x: torch.Tensor, w1: torch.Tensor) -> bool:
+    # torch._grouped_mm needs every row stride to be a multiple of 16 bytes.
+    itemsize = x.element_size()
+    return (x.shape[-1] * itemsize) % 16 == 0 and (w1.shape[-1] * itemsize) % 16 == 0
+
+
+def run_experts_for_loop(
+    w1_EDH: torch.Tensor,
+    w2_EHD: torch.Tensor,
+    w3_EDH: torch.Tensor,
+    x_TD: torch.Tensor,
+    num_tokens_per_expert_E: torch.Tensor,
+) -> torch.Tensor:
+    """Reference: one matmul chain per expert. `.tolist()` syncs device to host; readable, slow."""
+    counts = num_tokens_per_expert_E.tolist()
+    used = sum(counts)
+    y_chunks = []
+    for e, x_chunk in enumerate(torch.split(x_TD[:used], counts, dim=0)):
+        h = F.silu(x_chunk @ w1_EDH[e]) * (x_chunk @ w3_EDH[e])
+        y_chunks.append(h @ w2_EHD[e])
+    # Rows past the last group (padding of a static buffer) are defined as zero.
+    y_chunks.append(x_TD.new_zeros(x_TD.shape[0] - used, w2_EHD.shape[-1]))
+    return torch.cat(y_chunks, dim=0)
+
+
+def run_experts_grouped_mm(
+    w1_EDH: torch.Tensor,
+    w2_EHD: torch.Tensor,
+    w3_EDH: torch.Tensor,
+    x_TD: torch.Tensor,
+    num_tokens_per_expert_E: torch.Tensor,
+) -> torch.Tensor:
+    """Three grouped GEMMs over contiguous per-expert row blocks; no device-to-host sync."""
+    # grouped_mm takes int32 cumulative end rows, one per expert.
+    offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+    # grouped_mm leaves rows past the last offset uninitialised in its output and in the input
+    # gradient (they can hold inf/NaN). Masking both ends with `where` zeroes them without a
+    # sync and keeps them out of autograd, matching the loop path.
+    row_T = torch.arange(x_TD.shape[0], device=x_TD.device)
+    valid_T1 = (row_T < offsets_E[-1])[:, None]
+    x_TD = torch.where(valid_T1, x_TD, 0.0)
+    dtype = x_TD.dtype
+    w1, w2, w3 = w1_EDH.to(dtype), w2_EHD.to(dtype), w3_EDH.to(dtype)
+    h_TH = F.silu(torch._grouped_mm(x_TD, w1, offs=offsets_E))
+    h_TH = h_TH * torch._grouped_mm(x_TD, w3, offs=offsets_E)
+    y_TD = torch._grouped_mm(h_TH, w2, offs=offsets_E)
+    return torch.where(valid_T1, y_TD, 0.0)
+
+
+class GroupedExperts(nn.Module):
+    """`num_experts` SwiGLU experts: `y = (silu(x @ w1[e]) * (x @ w3[e])) @ w2[e]`.
+
+    `forward(x_TD, num_tokens_per_expert_E)`: rows of `x_TD` are sorted by expert, expert `e`
+    owning the next `num_tokens_per_expert_E[e]` rows. Counts may include padding rows (the
+    permute kernel's aligned layout: pass its `m_sizes`); rows past `sum(counts)` produce zeros.
+    `E` is whatever dim 0 of the (possibly expert-parallel-sharded) weights holds locally.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool = True):
+        super().__init__()
+        self.num_experts = num_experts
+        self.use_grouped_mm = use_grouped_mm
+        self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+
+    def forward(self, x_TD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        if self.use_grouped_mm and _grouped_mm_ok(x_TD, w1):
+            return run_experts_grouped_mm(w1, w2, w3, x_TD, num_tokens_per_expert_E)
+        return run_experts_for_loop(w1, w2, w3, x_TD, num_tokens_per_expert_E)
+
+    def init_weights(self, init_std: float) -> None:
+        nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.w2, mean=0.0, std=init_std)
+        nn.init.trunc_normal_(self.w3, mean=0.0, std=init_std)
