@@ -1,3 +1,3 @@
-"""plait.contextparallel: Context parallel: ring attention (all-gather and all-to-all rotation), load balancing, all-to-all (head) CP."""
+"""plait.contextparallel: not implemented yet; see the package README."""
 
 __version__ = "0.1.0"

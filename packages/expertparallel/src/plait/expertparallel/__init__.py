@@ -1,3 +1,3 @@
-"""plait.expertparallel: dp2ep expert parallel: expert sharding, all-to-all dispatch/combine, expert-tensor parallel."""
+"""plait.expertparallel: not implemented yet; see the package README."""
 
 __version__ = "0.1.0"

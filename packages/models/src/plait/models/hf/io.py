@@ -14,6 +14,8 @@ from safetensors.torch import load_file, save_file
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+# transformers checks this metadata to know the tensors are PyTorch's.
+_METADATA = {"format": "pt"}
 _SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -55,6 +57,16 @@ def _shard(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[
     return shards
 
 
+def save_safetensors_file(
+    state_dict: dict[str, torch.Tensor], path: str | Path, *, dtype: torch.dtype | None = None
+) -> Path:
+    """Write `state_dict` as one `.safetensors` file at `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(_prepare(state_dict, dtype), path, metadata=_METADATA)
+    return path
+
+
 def save_safetensors(
     state_dict: dict[str, torch.Tensor],
     out_dir: str | Path,
@@ -67,16 +79,14 @@ def save_safetensors(
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = _prepare(state_dict, dtype)
     shards = _shard(tensors, parse_size(max_shard_size))
-    # transformers checks this metadata to know the tensors are PyTorch's.
-    metadata = {"format": "pt"}
     if len(shards) == 1:
-        save_file(shards[0], out_dir / SINGLE_FILE, metadata=metadata)
+        save_file(shards[0], out_dir / SINGLE_FILE, metadata=_METADATA)
         return [out_dir / SINGLE_FILE]
 
     files, weight_map = [], {}
     for i, shard in enumerate(shards, start=1):
         file_name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, out_dir / file_name, metadata=metadata)
+        save_file(shard, out_dir / file_name, metadata=_METADATA)
         files.append(out_dir / file_name)
         weight_map.update({name: file_name for name in shard})
     total_size = sum(t.numel() * t.element_size() for t in tensors.values())

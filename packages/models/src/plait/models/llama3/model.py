@@ -133,12 +133,15 @@ class Transformer(nn.Module):
         self._tie_embeddings()
         return module
 
-    def forward(self, tokens_BS: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [B, S] int64, positions [S] or [B, S] int64 (default arange(S)) -> logits [B, S, V]."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, S] int64, positions [S] or [B, S] int64 (default arange(S)) -> logits [B, S, V].
+
+        The argument names are part of the contract: parallel_info()["seq_dim_inputs"] names them.
+        """
         # A pipeline stage without the embedding receives hidden states [B, S, D] instead of tokens.
-        h_BSD = self.tok_embeddings(tokens_BS) if self.tok_embeddings is not None else tokens_BS
+        h_BSD = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if positions is None:
-            positions = torch.arange(tokens_BS.shape[1], device=tokens_BS.device)
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
         rope_cos, rope_sin = rope_at(self.rope_cos, self.rope_sin, positions)
         for layer in self.layers.values():
             h_BSD = layer(h_BSD, rope_cos, rope_sin)

@@ -1,0 +1,272 @@
+"""DeepSeek-V3 (DeepSeek-AI, 2024): multi-head latent attention, a few dense SwiGLU blocks, then
+token-choice MoE blocks with shared experts and auxiliary-loss-free load balancing.
+
+Plain single-device PyTorch. Parallelism is applied from outside using the data that
+`Transformer.parallel_info()` returns (docs/contracts.md); shapes are inferred from tensors so
+tensor parallel's local head counts and expert parallel's local experts work unchanged.
+Multi-token prediction (MTP) is not included.
+"""
+
+import torch
+from torch import nn
+
+from plait.models.common import ScaledDotProductAttention
+from plait.models.deepseek_v3.args import ModelArgs
+from plait.models.deepseek_v3.rope import rope_tables, softmax_scale
+from plait.models.llama3.rope import apply_rope, rope_at
+from plait.models.moe import FeedForward, MoE, TokenChoiceTopKRouter
+
+# Init std of projections that read the residual stream (torchtitan's scheme).
+INIT_STD = 0.02
+
+
+class Attention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2 section 2.1).
+
+    Keys and values are rebuilt per head from a `kv_lora_rank` latent; a separate
+    `qk_rope_head_dim` slice carries position (RoPE cannot pass through the low-rank
+    up-projection, so it is decoupled): per head, q = [q_nope, q_rope], k = [k_nope, k_rope]
+    with one k_rope shared by all heads.
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.q_lora_rank = args.q_lora_rank
+        self.kv_lora_rank = args.kv_lora_rank
+        self.qk_nope_head_dim = args.qk_nope_head_dim
+        self.qk_rope_head_dim = args.qk_rope_head_dim
+        self.qk_head_dim = args.qk_head_dim
+        self.v_head_dim = args.v_head_dim
+        if self.q_lora_rank == 0:
+            self.wq = nn.Linear(args.dim, args.n_heads * self.qk_head_dim, bias=False)
+        else:
+            self.wq_a = nn.Linear(args.dim, self.q_lora_rank, bias=False)
+            self.q_norm = nn.RMSNorm(self.q_lora_rank, eps=args.norm_eps)
+            self.wq_b = nn.Linear(self.q_lora_rank, args.n_heads * self.qk_head_dim, bias=False)
+        self.wkv_a = nn.Linear(args.dim, self.kv_lora_rank + self.qk_rope_head_dim, bias=False)
+        self.kv_norm = nn.RMSNorm(self.kv_lora_rank, eps=args.norm_eps)
+        self.wkv_b = nn.Linear(
+            self.kv_lora_rank, args.n_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False
+        )
+        self.wo = nn.Linear(args.n_heads * self.v_head_dim, args.dim, bias=False)
+        # The one place attention is computed; context parallel replaces this module. SDPA takes
+        # a v head dim different from q/k's, so v is passed unpadded.
+        self.sdpa = ScaledDotProductAttention(scale=softmax_scale(args))
+
+    def forward(self, x_BSD: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+
+        # Queries: [B, S, H, nope + rope]; H inferred so TP's local heads work.
+        q_BSE = self.wq(x_BSD) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x_BSD)))
+        q_BSHQ = q_BSE.view(B, S, -1, self.qk_head_dim)
+        q_nope_BSHN, q_rope_BSHR = q_BSHQ.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        q_rope_BSHR = apply_rope(q_rope_BSHR, rope_cos, rope_sin)
+
+        # Keys/values: compress to the latent (+ the shared rotary key), then expand per head.
+        kv_BSC = self.wkv_a(x_BSD)
+        latent_BSL, k_rope_BSR = kv_BSC.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        k_rope_BS1R = apply_rope(k_rope_BSR.unsqueeze(2), rope_cos, rope_sin)
+        kv_BSHF = self.wkv_b(self.kv_norm(latent_BSL)).view(B, S, -1, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope_BSHN, v_BSHV = kv_BSHF.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        H = k_nope_BSHN.shape[2]
+
+        q_BSHQ = torch.cat([q_nope_BSHN, q_rope_BSHR], dim=-1)
+        k_BSHQ = torch.cat([k_nope_BSHN, k_rope_BS1R.expand(-1, -1, H, -1)], dim=-1)
+
+        out_BHSV = self.sdpa(q_BSHQ.transpose(1, 2), k_BSHQ.transpose(1, 2), v_BSHV.transpose(1, 2))
+        return self.wo(out_BHSV.transpose(1, 2).reshape(B, S, -1))
+
+    def init_weights(self, out_proj_std: float) -> None:
+        projections = [self.wkv_a, self.wkv_b]
+        projections += [self.wq] if self.q_lora_rank == 0 else [self.wq_a, self.wq_b]
+        for linear in projections:
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=INIT_STD)
+        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=out_proj_std)
+        self.kv_norm.reset_parameters()
+        if self.q_lora_rank > 0:
+            self.q_norm.reset_parameters()
+
+
+def build_moe(args: ModelArgs) -> MoE:
+    router = TokenChoiceTopKRouter(
+        dim=args.dim,
+        num_experts=args.n_routed_experts,
+        top_k=args.n_activated_experts,
+        score_func=args.score_func,
+        route_norm=args.route_norm,
+        route_scale=args.route_scale,
+        n_groups=args.n_expert_groups,
+        topk_groups=args.n_limited_groups,
+        aux_loss_coeff=args.aux_loss_coeff,
+    )
+    return MoE(
+        dim=args.dim,
+        hidden_dim=args.moe_inter_dim,
+        num_experts=args.n_routed_experts,
+        num_shared_experts=args.n_shared_experts,
+        router=router,
+        use_grouped_mm=args.use_grouped_mm,
+    )
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: attention, then a dense FFN (`feed_forward`) or an MoE (`moe`)."""
+
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        if layer_id < args.n_dense_layers:
+            self.feed_forward = FeedForward(args.dim, args.inter_dim)
+        else:
+            self.moe = build_moe(args)
+        # Output projections add into the residual stream; scaling their std by depth keeps the
+        # stream's variance from growing with the number of blocks.
+        depth = layer_id + 1 if args.depth_init else args.n_layers
+        self.out_proj_init_std = INIT_STD / (2 * depth) ** 0.5
+
+    @property
+    def is_moe(self) -> bool:
+        return hasattr(self, "moe")
+
+    def forward(self, x_BSD: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
+        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), rope_cos, rope_sin)
+        ffn = self.moe if self.is_moe else self.feed_forward
+        return h_BSD + ffn(self.ffn_norm(h_BSD))
+
+    def init_weights(self) -> None:
+        for norm in (self.attention_norm, self.ffn_norm):
+            nn.init.ones_(norm.weight)
+        self.attention.init_weights(self.out_proj_init_std)
+        (self.moe if self.is_moe else self.feed_forward).init_weights(self.out_proj_init_std)
+
+
+class Transformer(nn.Module):
+    """Token embedding -> n_layers blocks -> RMSNorm -> output projection to vocabulary logits."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # ModuleDict "0".."n-1": module paths stay stable when pipeline parallel drops layers.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # Non-persistent: derived from args; init_weights recomputes them after a meta build.
+        rope_cos_LK, rope_sin_LK = rope_tables(args)
+        self.register_buffer("rope_cos", rope_cos_LK, persistent=False)
+        self.register_buffer("rope_sin", rope_sin_LK, persistent=False)
+
+    def forward(self, tokens_BS: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, S] int64, positions [S] or [B, S] int64 (default arange(S)) -> logits [B, S, V]."""
+        # A pipeline stage without the embedding receives hidden states [B, S, D] instead of tokens.
+        h_BSD = self.tok_embeddings(tokens_BS) if self.tok_embeddings is not None else tokens_BS
+        if positions is None:
+            positions = torch.arange(tokens_BS.shape[1], device=tokens_BS.device)
+        rope_cos, rope_sin = rope_at(self.rope_cos, self.rope_sin, positions)
+        for layer in self.layers.values():
+            h_BSD = layer(h_BSD, rope_cos, rope_sin)
+        h_BSD = self.norm(h_BSD) if self.norm is not None else h_BSD
+        return self.output(h_BSD) if self.output is not None else h_BSD
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        """Initialise every parameter exactly once; recompute RoPE tables; zero router state.
+
+        Call after building on the meta device and `to_empty(device=...)`; works on DTensor
+        parameters. `buffer_device` places the RoPE tables.
+        """
+        buffer_device = buffer_device if buffer_device is not None else self.rope_cos.device
+        with torch.device(buffer_device):
+            self.rope_cos, self.rope_sin = rope_tables(self.args)
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=1.0)
+        for layer in self.layers.values():
+            layer.init_weights()
+        if self.norm is not None:
+            nn.init.ones_(self.norm.weight)
+        if self.output is not None:
+            std = self.args.dim**-0.5
+            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+    def parallel_info(self) -> dict:
+        """Blocks, tensor-parallel plan, experts and CP metadata as plain data (docs/contracts.md)."""
+        blocks = [f"layers.{name}" for name in self.layers]
+        if self.args.q_lora_rank == 0:
+            q_plan = {"layers.*.attention.wq": "colwise"}
+        else:
+            q_plan = {
+                "layers.*.attention.wq_a": "replicate",
+                "layers.*.attention.q_norm": "replicate",
+                "layers.*.attention.wq_b": "colwise",
+            }
+        return {
+            "blocks": blocks,
+            "tp_plan": {
+                "tok_embeddings": "embedding_rowwise",
+                "norm": "sequence_parallel",
+                "output": "output_colwise",
+                "layers.*.attention_norm": "sequence_parallel",
+                "layers.*.attention": "prepare_input",
+                **q_plan,
+                # The latent path is shared by all heads: replicated. wkv_b expands it per head
+                # (colwise over heads); wo sums heads back (rowwise).
+                "layers.*.attention.wkv_a": "replicate",
+                "layers.*.attention.kv_norm": "replicate",
+                "layers.*.attention.wkv_b": "colwise",
+                "layers.*.attention.wo": "rowwise",
+                "layers.*.ffn_norm": "sequence_parallel",
+                "layers.*.feed_forward": "prepare_input",
+                "layers.*.feed_forward.w1": "colwise",
+                "layers.*.feed_forward.w2": "rowwise",
+                "layers.*.feed_forward.w3": "colwise",
+                "layers.*.moe": "moe_input_output",
+                "layers.*.moe.router.gate": "replicate",
+                "layers.*.moe.shared_experts.w1": "colwise",
+                "layers.*.moe.shared_experts.w2": "rowwise_partial",
+                "layers.*.moe.shared_experts.w3": "colwise",
+            },
+            # RoPE is gathered by explicit positions, so no buffer needs sharding on sequence.
+            "seq_dim_buffers": {},
+            "seq_dim_inputs": {"tokens": 1, "positions": 1},
+            "experts": [f"{b}.moe.experts" for b, layer in zip(blocks, self.layers.values()) if layer.is_moe],
+            "attention_modules": [f"{block}.attention.sdpa" for block in blocks],
+        }
+
+    def param_counts(self) -> tuple[int, int]:
+        """(total, active per token) parameters, counted from args. Active keeps only the top-k
+        routed experts of each MoE layer (plus shared experts, attention, norms, embeddings)."""
+        a = self.args
+        if a.q_lora_rank == 0:
+            q = a.dim * a.n_heads * a.qk_head_dim
+        else:
+            q = a.dim * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * a.n_heads * a.qk_head_dim
+        kv = (
+            a.dim * (a.kv_lora_rank + a.qk_rope_head_dim)
+            + a.kv_lora_rank
+            + a.kv_lora_rank * a.n_heads * (a.qk_nope_head_dim + a.v_head_dim)
+        )
+        attention = q + kv + a.n_heads * a.v_head_dim * a.dim + 2 * a.dim  # + block norms
+        dense_ffn = 3 * a.dim * a.inter_dim
+        expert = 3 * a.dim * a.moe_inter_dim
+        moe_fixed = a.dim * a.n_routed_experts + a.n_shared_experts * expert  # gate + shared
+        n_moe = a.n_layers - a.n_dense_layers
+        fixed = a.n_layers * attention + a.n_dense_layers * dense_ffn + n_moe * moe_fixed
+        fixed += 2 * a.vocab_size * a.dim + a.dim  # embedding, output, final norm
+        total = fixed + n_moe * a.n_routed_experts * expert
+        active = fixed + n_moe * a.n_activated_experts * expert
+        return total, active
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 x active non-embedding params + attention.
+
+        Active counts top-k routed experts, not all of them. Attention is the torchtitan
+        convention (causal not halved) with MLA's two head sizes: 6 * L * H * (qk + v) * seq_len,
+        which is 12 * L * H * head_dim * seq_len when they are equal.
+        """
+        a = self.args
+        _, active = self.param_counts()
+        non_embedding = active - a.vocab_size * a.dim
+        attention = 6 * a.n_layers * a.n_heads * (a.qk_head_dim + a.v_head_dim) * seq_len
+        return 6 * non_embedding + attention

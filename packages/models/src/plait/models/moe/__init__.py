@@ -1,0 +1,20 @@
+"""Token-choice mixture of experts: router, grouped experts, the MoE block, the permute kernel."""
+
+from .experts import GroupedExperts
+from .feed_forward import FeedForward
+from .kernels import generate_permute_indices, permute_and_pad, unpermute
+from .load_balance import moe_aux_loss, update_moe_load_balance
+from .moe import MoE
+from .router import TokenChoiceTopKRouter
+
+__all__ = [
+    "FeedForward",
+    "GroupedExperts",
+    "MoE",
+    "TokenChoiceTopKRouter",
+    "generate_permute_indices",
+    "moe_aux_loss",
+    "permute_and_pad",
+    "unpermute",
+    "update_moe_load_balance",
+]

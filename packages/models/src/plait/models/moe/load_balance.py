@@ -1,0 +1,62 @@
+"""What the trainer calls on a whole model: the per-step bias update and the optional aux loss.
+
+Trainer use (one optimizer step of N micro-batches):
+
+    for micro_batch in step:
+        logits = model(tokens)
+        loss = (cross_entropy(logits, labels) + moe_aux_loss(model)) / N   # aux loss is opt-in
+        loss.backward()
+    optimizer.step()
+    update_moe_load_balance(model, coeff=1e-3, reduce_counts=all_reduce_over_dp_cp)
+
+(or register `update_moe_load_balance` as an optimizer step pre-hook). The routers count tokens
+in every forward; the update reads the counts of the whole step, so the result is the same for
+one big batch or many micro-batches. Under data parallel each rank sees different tokens, so
+pass `reduce_counts` (an in-place SUM all-reduce over the dp x cp ranks) to keep the bias
+identical everywhere; the model itself never imports torch.distributed. Full activation
+checkpointing recounts every MoE layer once more in backward; that doubles all counts alike,
+which the sign-based update ignores.
+"""
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .router import TokenChoiceTopKRouter
+
+
+def _routers(model: nn.Module) -> list[TokenChoiceTopKRouter]:
+    return [m for m in model.modules() if isinstance(m, TokenChoiceTopKRouter)]
+
+
+@torch.no_grad()
+def update_moe_load_balance(
+    model: nn.Module,
+    coeff: float,
+    reduce_counts: Callable[[torch.Tensor], None] | None = None,
+) -> None:
+    """Move every router's `expert_bias` by `coeff * sign(mean - count)` and zero its counter.
+
+    `reduce_counts`, if given, receives the stacked counters `[n_moe_layers, E]` (one collective
+    for all layers) and must sum them in place across data-parallel ranks.
+    """
+    routers = _routers(model)
+    if not routers:
+        return
+    counts_LE = torch.stack([r.tokens_per_expert for r in routers])
+    if reduce_counts is not None:
+        reduce_counts(counts_LE)
+    for router, counts_E in zip(routers, counts_LE):
+        router.update_expert_bias(coeff, counts_E)
+
+
+def moe_aux_loss(model: nn.Module) -> torch.Tensor | float:
+    """Sum of the sequence-wise balance losses left by the last forward (0.0 if none enabled).
+
+    Read it right after the forward that produced it and add it to the loss before backward.
+    """
+    losses = [r.aux_loss for r in _routers(model) if r.aux_loss is not None]
+    for r in _routers(model):
+        r.aux_loss = None  # consumed: a stale loss must not be added twice
+    return torch.stack(losses).sum() if losses else 0.0
