@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from plait.mesh import ParallelConfigError, ParallelDims, build_meshes, clip_grad_norm_, grad_norm
 from plait.mesh.testing import RankError, run_on_ranks
