@@ -76,7 +76,9 @@ def test_init_on_meta_then_to_empty_is_finite_and_scaled(depth_init):
 
 def test_init_weights_recomputes_rope_tables(tiny_args):
     model = build_initialised(tiny_args)
-    cos_LK, sin_LK = rope_tables(tiny_args.head_dim, tiny_args.max_seq_len, tiny_args.rope_theta, tiny_args.rope_scaling)
+    cos_LK, sin_LK = rope_tables(
+        tiny_args.head_dim, tiny_args.max_seq_len, tiny_args.rope_theta, tiny_args.rope_scaling
+    )
     assert model.rope_cos.device.type == "cpu"
     torch.testing.assert_close(model.rope_cos, cos_LK)
     torch.testing.assert_close(model.rope_sin, sin_LK)

@@ -82,8 +82,15 @@ def _parse_overrides(pairs: list[str], args_cls: type) -> dict:
     return overrides
 
 
-def to_hf(model: str, flavor: str, input: str, output: str, dtype: torch.dtype | None, max_shard_size: str,
-          overrides: list[str]) -> None:
+def to_hf(
+    model: str,
+    flavor: str,
+    input: str,
+    output: str,
+    dtype: torch.dtype | None,
+    max_shard_size: str,
+    overrides: list[str],
+) -> None:
     spec = get_model_spec(model)
     args = get_model_args(model, flavor, **_parse_overrides(overrides, type(spec.flavors[flavor])))
     state_dict = load_plait_state_dict(input)
@@ -131,8 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--output", required=True, help="HF checkpoint directory to write")
     export.add_argument("--dtype", type=_dtype, default=None, help="e.g. bfloat16 (default: unchanged)")
     export.add_argument("--max-shard-size", default="5GB")
-    export.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a model arg of the flavor, value as JSON (repeatable)")
+    export.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a model arg of the flavor, value as JSON (repeatable)",
+    )
 
     import_ = commands.add_parser("from-hf", help="HF directory -> plait state dict")
     import_.add_argument("--model", required=True, choices=list_models())

@@ -153,11 +153,17 @@ def _rope_from_hf(config: dict) -> tuple[float, RopeScaling | None]:
 
 def _with_ffn_hidden_dim(args: ModelArgs, hidden_dim: int) -> ModelArgs:
     """Choose (multiple_of, ffn_dim_multiplier) so that args.ffn_hidden_dim == hidden_dim."""
-    # Prefer a published flavor's pair (so 8B comes back as multiple_of=1024, multiplier=1.3).
-    for flavor in FLAVORS.values():
-        candidate = dataclasses.replace(
-            args, multiple_of=flavor.multiple_of, ffn_dim_multiplier=flavor.ffn_dim_multiplier
-        )
+    candidates = [
+        dataclasses.replace(args, multiple_of=flavor.multiple_of, ffn_dim_multiplier=flavor.ffn_dim_multiplier)
+        for flavor in FLAVORS.values()
+    ]
+    # A published flavor comes back as itself (8B as multiple_of=1024, multiplier=1.3), then any
+    # flavor's pair that gives the size.
+    for candidate, flavor in zip(candidates, FLAVORS.values()):
+        is_flavor = dataclasses.replace(candidate, max_seq_len=flavor.max_seq_len) == flavor
+        if is_flavor and candidate.ffn_hidden_dim == hidden_dim:
+            return candidate
+    for candidate in candidates:
         if candidate.ffn_hidden_dim == hidden_dim:
             return candidate
     # Any size: the multiplier lands within one of hidden_dim, and rounding up to it hits it.

@@ -11,9 +11,7 @@ LLAMA31_MAX_SEQ_LEN = 131072
 
 FLAVORS: dict[str, ModelArgs] = {
     # torchtitan's debug model: vocab 2048 matches its small test tokenizer.
-    "debugmodel": ModelArgs(
-        dim=256, n_layers=6, n_heads=16, vocab_size=2048, rope_theta=500000, max_seq_len=2048
-    ),
+    "debugmodel": ModelArgs(dim=256, n_layers=6, n_heads=16, vocab_size=2048, rope_theta=500000, max_seq_len=2048),
     # Llama 3.2 (text): tied embeddings, RoPE scaled by 32.
     "1B": ModelArgs(
         dim=2048,

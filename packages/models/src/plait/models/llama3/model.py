@@ -14,7 +14,8 @@ from plait.models.common import ScaledDotProductAttention, repeat_kv
 from plait.models.llama3.args import ModelArgs
 from plait.models.llama3.rope import apply_rope, rope_at, rope_tables
 
-# Init std of the projections that read the residual stream (torchtitan's scheme).
+# Init std of the projections that read the residual stream (torchtitan's scheme). Like torchtitan
+# we keep trunc_normal_'s default cutoffs of +-2 (absolute), which at this std truncate nothing.
 INIT_STD = 0.02
 
 

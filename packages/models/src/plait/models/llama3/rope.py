@@ -43,9 +43,7 @@ def rope_tables(
     return angles_LK.cos(), angles_LK.sin()
 
 
-def rope_at(
-    cos_LK: torch.Tensor, sin_LK: torch.Tensor, positions: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_at(cos_LK: torch.Tensor, sin_LK: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather the tables at `positions` ([S] or [B, S]) into shapes that broadcast over [B, S, H, K]."""
     # [S] -> [S, 1, K]; [B, S] -> [B, S, 1, K]: the singleton is the head axis.
     return cos_LK[positions].unsqueeze(-2), sin_LK[positions].unsqueeze(-2)

@@ -1,0 +1,254 @@
+"""DeepSeek-V3 <-> Hugging Face `DeepseekV3ForCausalLM` (interface: `plait.models.hf.adapter`).
+
+Layout differences:
+- Routed experts: HF checkpoints hold one `nn.Linear` per expert (`mlp.experts.{j}.gate_proj`,
+  `[hidden, dim]`); plait stacks them as `[E, in, out]`, so each is transposed. transformers 5
+  fuses them in memory (`mlp.experts.gate_up_proj [E, 2*hidden, dim]`, `down_proj
+  [E, dim, hidden]`); `from_hf` reads that form too, `to_hf` writes the checkpoint form.
+- RoPE: DeepSeek rotates interleaved pairs like plait (`rope_interleave=True`, the default of
+  every released checkpoint), so no rows move. A `rope_interleave=False` export is turned into
+  the interleaved layout by permuting the rotary rows of the q and shared-k projections.
+- Multi-token-prediction layers (index >= num_hidden_layers) and rotary buffers are dropped.
+HF's DeepseekV3 always scores experts with a sigmoid, so softmax-routed (V2-style) args cannot
+be exported as this architecture.
+"""
+
+import re
+
+import torch
+
+from plait.models.deepseek_v3.args import ModelArgs
+from plait.models.hf.llama3 import half_to_interleaved
+
+HF_ARCHITECTURE = "DeepseekV3ForCausalLM"
+
+_TOP_LEVEL = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_PER_LAYER = {
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wq_a.weight": "self_attn.q_a_proj.weight",
+    "attention.q_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attention.wq_b.weight": "self_attn.q_b_proj.weight",
+    "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attention.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "moe.router.gate.weight": "mlp.gate.weight",
+    "moe.router.expert_bias": "mlp.gate.e_score_correction_bias",
+    "moe.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
+    "moe.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
+    "moe.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
+}
+# plait stacked expert weight -> HF per-expert projection name.
+_EXPERTS = {"moe.experts.w1": "gate_proj", "moe.experts.w2": "down_proj", "moe.experts.w3": "up_proj"}
+_PLAIT_LAYER_KEY = re.compile(r"layers\.(\d+)\.(.+)")
+_HF_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_HF_EXPERT_KEY = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_HF_IGNORED = re.compile(r".*rotary_emb\.inv_freq")
+
+
+def to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    hf_state_dict = {}
+    for name, tensor in state_dict.items():
+        if name in _TOP_LEVEL:
+            hf_state_dict[_TOP_LEVEL[name]] = tensor
+            continue
+        match = _PLAIT_LAYER_KEY.fullmatch(name)
+        if match is None:
+            raise KeyError(f"no HF name for plait parameter {name!r}")
+        layer, suffix = match.groups()
+        prefix = f"model.layers.{layer}"
+        if suffix in _PER_LAYER:
+            hf_state_dict[f"{prefix}.{_PER_LAYER[suffix]}"] = tensor
+        elif suffix in _EXPERTS:
+            # [E, in, out] -> E x nn.Linear weight [out, in]
+            for j, w_IO in enumerate(tensor.unbind(0)):
+                hf_state_dict[f"{prefix}.mlp.experts.{j}.{_EXPERTS[suffix]}.weight"] = w_IO.t()
+        else:
+            raise KeyError(f"no HF name for plait parameter {name!r}")
+    return hf_state_dict
+
+
+def _rope_rows_to_interleaved(w_OI: torch.Tensor, args: ModelArgs, per_head: bool) -> torch.Tensor:
+    """Permute the rotary rows of a q (per head) or wkv_a (one shared key) weight to pairs."""
+    R = args.qk_rope_head_dim
+    if per_head:
+        w_HQI = w_OI.view(-1, args.qk_head_dim, w_OI.shape[1])
+        nope, rope = w_HQI.split([args.qk_nope_head_dim, R], dim=1)
+        rope = half_to_interleaved(rope.reshape(-1, w_OI.shape[1]), R).view_as(rope)
+        return torch.cat([nope, rope], dim=1).reshape_as(w_OI)
+    latent, rope = w_OI.split([args.kv_lora_rank, R], dim=0)
+    return torch.cat([latent, half_to_interleaved(rope, R)], dim=0)
+
+
+def from_hf(
+    hf_state_dict: dict[str, torch.Tensor], args: ModelArgs, *, rope_interleave: bool = True
+) -> dict[str, torch.Tensor]:
+    """HF names/layouts -> plait. `rope_interleave=False` for exports made with that HF flag."""
+    top_level = {hf: plait for plait, hf in _TOP_LEVEL.items()}
+    per_layer = {hf: plait for plait, hf in _PER_LAYER.items()}
+    state_dict: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for name, tensor in hf_state_dict.items():
+        if _HF_IGNORED.fullmatch(name):
+            continue
+        if name in top_level:
+            state_dict[top_level[name]] = tensor
+            continue
+        match = _HF_LAYER_KEY.fullmatch(name)
+        if match is None:
+            raise KeyError(f"no plait name for HF parameter {name!r}")
+        layer, suffix = match.groups()
+        if int(layer) >= args.n_layers:
+            continue  # multi-token-prediction module: not part of the plait model
+        if suffix in per_layer:
+            plait_suffix = per_layer[suffix]
+            if not rope_interleave and plait_suffix in ("attention.wq.weight", "attention.wq_b.weight"):
+                tensor = _rope_rows_to_interleaved(tensor, args, per_head=True)
+            elif not rope_interleave and plait_suffix == "attention.wkv_a.weight":
+                tensor = _rope_rows_to_interleaved(tensor, args, per_head=False)
+            state_dict[f"layers.{layer}.{plait_suffix}"] = tensor
+        elif expert := _HF_EXPERT_KEY.fullmatch(suffix):
+            experts.setdefault((layer, expert.group(2)), {})[int(expert.group(1))] = tensor
+        elif suffix == "mlp.experts.gate_up_proj":  # transformers 5 in-memory: [E, 2*hidden, dim]
+            w1, w3 = tensor.chunk(2, dim=1)
+            state_dict[f"layers.{layer}.moe.experts.w1"] = w1.transpose(1, 2)
+            state_dict[f"layers.{layer}.moe.experts.w3"] = w3.transpose(1, 2)
+        elif suffix == "mlp.experts.down_proj":  # [E, dim, hidden]
+            state_dict[f"layers.{layer}.moe.experts.w2"] = tensor.transpose(1, 2)
+        else:
+            raise KeyError(f"no plait name for HF parameter {name!r}")
+    projection_to_plait = {hf: plait for plait, hf in _EXPERTS.items()}
+    for (layer, projection), per_expert in experts.items():
+        if sorted(per_expert) != list(range(args.n_routed_experts)):
+            raise KeyError(f"layer {layer} {projection}: experts {sorted(per_expert)} != 0..{args.n_routed_experts - 1}")
+        # E x [out, in] -> [E, in, out]
+        stacked = torch.stack([per_expert[j].t() for j in range(args.n_routed_experts)])
+        state_dict[f"layers.{layer}.{projection_to_plait[projection]}"] = stacked
+    return state_dict
+
+
+def hf_config(args: ModelArgs) -> dict:
+    """`config.json` for DeepseekV3ForCausalLM in the released checkpoints' format (rope_theta +
+    rope_scaling), which transformers 4.x and 5.x both read."""
+    if args.score_func != "sigmoid":
+        raise ValueError("HF DeepseekV3 routes with sigmoid scores; softmax-routed args have no HF equivalent here")
+    rope_scaling = None
+    if args.uses_yarn:
+        rope_scaling = {
+            "type": "yarn",
+            "rope_type": "yarn",
+            "factor": args.rope_factor,
+            "original_max_position_embeddings": args.original_seq_len,
+            "beta_fast": args.beta_fast,
+            "beta_slow": args.beta_slow,
+            # Equal mscales: HF's cos/sin factor is 1 and the softmax scale gets mscale^2, as here.
+            "mscale": args.mscale,
+            "mscale_all_dim": args.mscale,
+        }
+    return {
+        "architectures": [HF_ARCHITECTURE],
+        "model_type": "deepseek_v3",
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.dim,
+        "intermediate_size": args.inter_dim,
+        "moe_intermediate_size": args.moe_inter_dim,
+        "num_hidden_layers": args.n_layers,
+        "first_k_dense_replace": args.n_dense_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_heads,
+        "n_routed_experts": args.n_routed_experts,
+        "n_shared_experts": args.n_shared_experts,
+        "num_experts_per_tok": args.n_activated_experts,
+        "n_group": args.n_expert_groups,
+        "topk_group": args.n_limited_groups,
+        "norm_topk_prob": args.route_norm,
+        "routed_scaling_factor": args.route_scale,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "q_lora_rank": args.q_lora_rank or None,
+        "kv_lora_rank": args.kv_lora_rank,
+        "qk_nope_head_dim": args.qk_nope_head_dim,
+        "qk_rope_head_dim": args.qk_rope_head_dim,
+        "v_head_dim": args.v_head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": args.max_seq_len,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": rope_scaling,
+        "rope_interleave": True,
+        "num_nextn_predict_layers": 0,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+    }
+
+
+def args_from_hf_config(config: dict) -> ModelArgs:
+    unsupported = {
+        "hidden_act": config.get("hidden_act", "silu") != "silu",
+        "attention_bias": config.get("attention_bias", False),
+        "scoring_func": config.get("scoring_func", "sigmoid") != "sigmoid",
+        "tie_word_embeddings": config.get("tie_word_embeddings", False),
+        "num_key_value_heads": config.get("num_key_value_heads") not in (None, config["num_attention_heads"]),
+        # The adapter functions see no config, so a half-split rotary layout must be converted
+        # explicitly with from_hf(..., rope_interleave=False).
+        "rope_interleave": config.get("rope_interleave", True) is False,
+    }
+    if any(unsupported.values()):
+        raise ValueError(f"plait deepseek_v3 cannot represent this config: {[k for k, v in unsupported.items() if v]}")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    theta = float(config.get("rope_theta", rope.get("rope_theta", 10000.0)))
+    max_seq_len = config.get("max_position_embeddings", 4096)
+    yarn = {}
+    if rope.get("rope_type", rope.get("type", "default")) == "yarn":
+        mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+        if not mscale_all_dim or (mscale and mscale != mscale_all_dim) or rope.get("attention_factor"):
+            raise ValueError("plait implements YaRN with mscale == mscale_all_dim (released DeepSeek configs)")
+        yarn = dict(
+            rope_factor=float(rope["factor"]),
+            original_seq_len=int(rope["original_max_position_embeddings"]),
+            beta_fast=float(rope.get("beta_fast") or 32),
+            beta_slow=float(rope.get("beta_slow") or 1),
+            mscale=float(mscale_all_dim),
+        )
+        if max_seq_len <= yarn["original_seq_len"]:
+            raise ValueError("YaRN with max_position_embeddings <= original: plait applies YaRN only beyond it")
+    else:
+        yarn = dict(rope_factor=1.0)
+    return ModelArgs(
+        vocab_size=config["vocab_size"],
+        dim=config["hidden_size"],
+        inter_dim=config["intermediate_size"],
+        moe_inter_dim=config["moe_intermediate_size"],
+        n_layers=config["num_hidden_layers"],
+        n_dense_layers=config.get("first_k_dense_replace", 0),
+        n_heads=config["num_attention_heads"],
+        norm_eps=config.get("rms_norm_eps", 1e-6),
+        n_routed_experts=config["n_routed_experts"],
+        n_shared_experts=config.get("n_shared_experts") or 0,
+        n_activated_experts=config["num_experts_per_tok"],
+        score_func="sigmoid",
+        route_norm=bool(config.get("norm_topk_prob", False)),
+        route_scale=float(config.get("routed_scaling_factor", 1.0)),
+        n_expert_groups=config.get("n_group") or 1,
+        n_limited_groups=config.get("topk_group") or 1,
+        q_lora_rank=config.get("q_lora_rank") or 0,
+        kv_lora_rank=config["kv_lora_rank"],
+        qk_nope_head_dim=config["qk_nope_head_dim"],
+        qk_rope_head_dim=config["qk_rope_head_dim"],
+        v_head_dim=config["v_head_dim"],
+        max_seq_len=max_seq_len,
+        rope_theta=theta,
+        **yarn,
+    )
