@@ -42,18 +42,26 @@ def main() -> None:
 
         kernels["triton"] = permute_indices_triton
     print(f"device={device} threads={torch.get_num_threads()}")
-    print(f"{'ep':>3} {'experts':>7} {'tokens':>8} {'align':>5} {'reference ms':>13}" + "".join(f" {k + ' ms':>10} {'x':>7}" for k in kernels))
+    print(
+        f"{'ep':>3} {'experts':>7} {'tokens':>8} {'align':>5} {'reference ms':>13}"
+        + "".join(f" {k + ' ms':>10} {'x':>7}" for k in kernels)
+    )
     g = torch.Generator().manual_seed(0)
-    for ep, experts, tokens_per_rank, alignment in [(2, 4, 1024, 16), (8, 8, 4096, 16), (8, 32, 8192, 32), (64, 4, 4096, 32)]:
+    for ep, experts, tokens_per_rank, alignment in [
+        (2, 4, 1024, 16),
+        (8, 8, 4096, 16),
+        (8, 32, 8192, 32),
+        (64, 4, 4096, 32),
+    ]:
         counts = torch.multinomial(torch.ones(ep * experts), tokens_per_rank * ep // 4, replacement=True, generator=g)
         counts = torch.bincount(counts, minlength=ep * experts).to(torch.int32) * 4
         max_len = default_max_len(int(counts.sum()), experts, alignment)
         call = (counts, ep, experts, max_len, alignment)
-        reference = _time(lambda: permute_indices_reference(*call), 1)
+        reference = _time(lambda call=call: permute_indices_reference(*call), 1)
         row = f"{ep:>3} {experts:>7} {int(counts.sum()):>8} {alignment:>5} {reference * 1e3:>13.2f}"
-        counts_dev = counts.to(device)
+        call_dev = (counts.to(device), *call[1:])
         for fn in kernels.values():
-            t = _time(lambda fn=fn: fn(counts_dev, ep, experts, max_len, alignment), args.repeats)
+            t = _time(lambda fn=fn, call_dev=call_dev: fn(*call_dev), args.repeats)
             row += f" {t * 1e3:>10.3f} {reference / t:>6.0f}x"
         print(row)
 

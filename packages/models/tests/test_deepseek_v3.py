@@ -16,9 +16,18 @@ PUBLISHED = {"16B": (15.7e9, 2.4e9), "236B": (236e9, 21e9), "671B": (671e9, 37e9
 def _tiny(**overrides) -> ModelArgs:
     """debugmodel's structure at a size that runs in well under a second on CPU."""
     small = dict(
-        vocab_size=256, dim=64, inter_dim=128, moe_inter_dim=32, n_layers=3, n_heads=4,
-        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-        max_seq_len=128, original_seq_len=32,
+        vocab_size=256,
+        dim=64,
+        inter_dim=128,
+        moe_inter_dim=32,
+        n_layers=3,
+        n_heads=4,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        max_seq_len=128,
+        original_seq_len=32,
     )
     return dataclasses.replace(FLAVORS["debugmodel"], **{**small, **overrides})
 
@@ -38,8 +47,15 @@ def test_flavor_builds_on_meta_with_counted_params(name):
     assert total == sum(p.numel() for p in model.parameters())
     args = FLAVORS[name]
     moe_layers = args.n_layers - args.n_dense_layers
-    assert model.layers[str(args.n_layers - 1)].moe.experts.w1.shape == (args.n_routed_experts, args.dim, args.moe_inter_dim)
-    assert total - active == moe_layers * (args.n_routed_experts - args.n_activated_experts) * 3 * args.dim * args.moe_inter_dim
+    assert model.layers[str(args.n_layers - 1)].moe.experts.w1.shape == (
+        args.n_routed_experts,
+        args.dim,
+        args.moe_inter_dim,
+    )
+    assert (
+        total - active
+        == moe_layers * (args.n_routed_experts - args.n_activated_experts) * 3 * args.dim * args.moe_inter_dim
+    )
     if name in PUBLISHED:
         published_total, published_active = PUBLISHED[name]
         assert abs(total / published_total - 1) < 0.01
@@ -105,8 +121,10 @@ def test_explicit_positions_equal_default_and_shards_match():
         for p in attention.parameters():
             p.mul_(10)
     x = torch.randn(2, 12, 64)
-    outs = [attention(x, *rope_at(model.rope_cos, model.rope_sin, pos)) for pos in
-            (torch.arange(12), torch.arange(12) + 3, torch.arange(12) * 2)]
+    outs = [
+        attention(x, *rope_at(model.rope_cos, model.rope_sin, pos))
+        for pos in (torch.arange(12), torch.arange(12) + 3, torch.arange(12) * 2)
+    ]
     torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)
     assert (outs[2] - outs[0]).abs().max() > 1e-2 * outs[0].abs().max()
 

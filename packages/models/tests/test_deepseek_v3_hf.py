@@ -13,11 +13,31 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 ARGS = ModelArgs(
-    vocab_size=128, dim=64, inter_dim=128, moe_inter_dim=32, n_layers=3, n_dense_layers=1, n_heads=4,
-    n_routed_experts=8, n_shared_experts=1, n_activated_experts=2, score_func="sigmoid",
-    route_norm=True, route_scale=2.5, n_expert_groups=4, n_limited_groups=2,
-    q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-    max_seq_len=256, original_seq_len=64, rope_factor=4.0, mscale=0.707, norm_eps=1e-6,
+    vocab_size=128,
+    dim=64,
+    inter_dim=128,
+    moe_inter_dim=32,
+    n_layers=3,
+    n_dense_layers=1,
+    n_heads=4,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    n_activated_experts=2,
+    score_func="sigmoid",
+    route_norm=True,
+    route_scale=2.5,
+    n_expert_groups=4,
+    n_limited_groups=2,
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    max_seq_len=256,
+    original_seq_len=64,
+    rope_factor=4.0,
+    mscale=0.707,
+    norm_eps=1e-6,
 )
 
 
@@ -70,9 +90,9 @@ def test_plait_to_hf_and_back(tmp_path, q_lora_rank, yarn):
 
 
 def test_hf_random_model_to_plait_including_half_split_rope(tmp_path):
-    config = transformers.DeepseekV3Config(**{
-        k: v for k, v in adapter.hf_config(ARGS).items() if k not in ("architectures", "model_type")
-    })
+    config = transformers.DeepseekV3Config(
+        **{k: v for k, v in adapter.hf_config(ARGS).items() if k not in ("architectures", "model_type")}
+    )
     for rope_interleave in (True, False):
         config.rope_interleave = rope_interleave
         torch.manual_seed(1)

@@ -45,9 +45,7 @@ class Attention(nn.Module):
             self.wq_b = nn.Linear(self.q_lora_rank, args.n_heads * self.qk_head_dim, bias=False)
         self.wkv_a = nn.Linear(args.dim, self.kv_lora_rank + self.qk_rope_head_dim, bias=False)
         self.kv_norm = nn.RMSNorm(self.kv_lora_rank, eps=args.norm_eps)
-        self.wkv_b = nn.Linear(
-            self.kv_lora_rank, args.n_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False
-        )
+        self.wkv_b = nn.Linear(self.kv_lora_rank, args.n_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
         self.wo = nn.Linear(args.n_heads * self.v_head_dim, args.dim, bias=False)
         # The one place attention is computed; context parallel replaces this module. SDPA takes
         # a v head dim different from q/k's, so v is passed unpadded.

@@ -129,7 +129,9 @@ def from_hf(
     projection_to_plait = {hf: plait for plait, hf in _EXPERTS.items()}
     for (layer, projection), per_expert in experts.items():
         if sorted(per_expert) != list(range(args.n_routed_experts)):
-            raise KeyError(f"layer {layer} {projection}: experts {sorted(per_expert)} != 0..{args.n_routed_experts - 1}")
+            raise KeyError(
+                f"layer {layer} {projection}: experts {sorted(per_expert)} != 0..{args.n_routed_experts - 1}"
+            )
         # E x [out, in] -> [E, in, out]
         stacked = torch.stack([per_expert[j].t() for j in range(args.n_routed_experts)])
         state_dict[f"layers.{layer}.{projection_to_plait[projection]}"] = stacked

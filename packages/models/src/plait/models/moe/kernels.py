@@ -118,15 +118,11 @@ def generate_permute_indices(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(permuted_indices [max_len], m_sizes [E_local], m_offsets [E_local]); Triton on CUDA."""
     if tokens_per_expert_group.numel() != ep_degree * num_local_experts:
-        raise ValueError(
-            f"expected {ep_degree} x {num_local_experts} counts, got {tokens_per_expert_group.numel()}"
-        )
+        raise ValueError(f"expected {ep_degree} x {num_local_experts} counts, got {tokens_per_expert_group.numel()}")
     if _triton_usable(tokens_per_expert_group):
         from .triton_kernels import permute_indices_triton
 
-        return permute_indices_triton(
-            tokens_per_expert_group, ep_degree, num_local_experts, max_len, alignment
-        )
+        return permute_indices_triton(tokens_per_expert_group, ep_degree, num_local_experts, max_len, alignment)
     return permute_indices_torch(tokens_per_expert_group, ep_degree, num_local_experts, max_len, alignment)
 
 

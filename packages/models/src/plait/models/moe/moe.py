@@ -33,9 +33,7 @@ class MoE(nn.Module):
         super().__init__()
         self.router = router
         self.experts = GroupedExperts(dim, hidden_dim, num_experts, use_grouped_mm)
-        self.shared_experts = (
-            FeedForward(dim, hidden_dim * num_shared_experts) if num_shared_experts > 0 else None
-        )
+        self.shared_experts = FeedForward(dim, hidden_dim * num_shared_experts) if num_shared_experts > 0 else None
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         B, S, D = x_BSD.shape
@@ -57,9 +55,7 @@ class MoE(nn.Module):
 
         # Unpermute: weight in fp32, then sum each token's K outputs back into its row.
         routed_output_ND = (routed_output_ND.float() * top_scores_N[:, None]).to(x_TD.dtype)
-        out_TD = torch.zeros_like(x_TD).scatter_add_(
-            0, token_ids_N[:, None].expand(-1, D), routed_output_ND
-        )
+        out_TD = torch.zeros_like(x_TD).scatter_add_(0, token_ids_N[:, None].expand(-1, D), routed_output_ND)
 
         if self.shared_experts is not None:
             out_TD = out_TD + self.shared_experts(x_TD)

@@ -57,9 +57,7 @@ class TokenChoiceTopKRouter(nn.Module):
         # Persistent: the bias is training state a checkpoint must carry (HF calls it
         # e_score_correction_bias). The counter is per-step scratch, so it is not saved.
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
-        self.register_buffer(
-            "tokens_per_expert", torch.zeros(num_experts, dtype=torch.float32), persistent=False
-        )
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.float32), persistent=False)
 
     def _group_mask(self, scores_for_choice_TE: torch.Tensor) -> torch.Tensor:
         """Boolean `[T, E]`: True for experts inside the token's best `topk_groups` groups."""
@@ -75,9 +73,7 @@ class TokenChoiceTopKRouter(nn.Module):
         mask_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(1, top_groups_TG, True)
         return mask_TG[:, :, None].expand_as(scores_TGe).reshape(T, -1)
 
-    def forward(
-        self, x_TD: torch.Tensor, num_seqs: int = 1
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, x_TD: torch.Tensor, num_seqs: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns top_scores_TK (fp32), selected_experts_TK (int64), num_tokens_per_expert_E (int64).
 
         `num_seqs` splits the T tokens into equal sequences for the sequence-wise aux loss.
@@ -103,9 +99,9 @@ class TokenChoiceTopKRouter(nn.Module):
         top_scores_TK = top_scores_TK * self.route_scale
 
         # Stage 3: count. scatter_add keeps the shape static (bincount's is data-dependent).
-        num_tokens_per_expert_E = torch.zeros(
-            self.num_experts, dtype=torch.int64, device=x_TD.device
-        ).scatter_add_(0, selected_experts_TK.flatten(), torch.ones_like(selected_experts_TK.flatten()))
+        num_tokens_per_expert_E = torch.zeros(self.num_experts, dtype=torch.int64, device=x_TD.device).scatter_add_(
+            0, selected_experts_TK.flatten(), torch.ones_like(selected_experts_TK.flatten())
+        )
         with torch.no_grad():
             self.tokens_per_expert.add_(num_tokens_per_expert_E)
 

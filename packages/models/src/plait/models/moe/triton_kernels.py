@@ -28,9 +28,7 @@ def _permute_indices_kernel(
     r_idx = tl.arange(0, BLOCK_R)
     e_idx = tl.arange(0, BLOCK_E)
     in_bounds = (r_idx[:, None] < ep_degree) & (e_idx[None, :] < num_local_experts)
-    counts_RE = tl.load(
-        counts_ptr + r_idx[:, None] * num_local_experts + e_idx[None, :], mask=in_bounds, other=0
-    )
+    counts_RE = tl.load(counts_ptr + r_idx[:, None] * num_local_experts + e_idx[None, :], mask=in_bounds, other=0)
 
     # This expert's padded group: size and where it ends in the output.
     sizes_E = (tl.sum(counts_RE, axis=0) + alignment - 1) // alignment * alignment
