@@ -230,6 +230,13 @@ class Transformer(nn.Module):
             "seq_dim_inputs": {"tokens": 1, "positions": 1},
             "experts": [f"{b}.moe.experts" for b, layer in zip(blocks, self.layers.values()) if layer.is_moe],
             "attention_modules": [f"{block}.attention.sdpa" for block in blocks],
+            # Sizes tensor parallel splits: heads, dense and shared-expert FFN hidden, vocab.
+            "tp_divisible": {
+                "n_heads": self.args.n_heads,
+                "ffn_hidden": self.args.inter_dim,
+                "shared_expert_hidden": self.args.moe_inter_dim * self.args.n_shared_experts,
+                "vocab_size": self.args.vocab_size,
+            },
         }
 
     def param_counts(self) -> tuple[int, int]:

@@ -201,6 +201,13 @@ class Transformer(nn.Module):
             "seq_dim_inputs": {"tokens": 1, "positions": 1},
             "experts": [],
             "attention_modules": [f"{block}.attention.sdpa" for block in blocks],
+            # Sizes tensor parallel splits: heads and kv heads (whole heads per rank), FFN hidden, vocab.
+            "tp_divisible": {
+                "n_heads": self.args.n_heads,
+                "n_kv_heads": self.args.n_kv_heads or self.args.n_heads,
+                "ffn_hidden": self.args.ffn_hidden_dim,
+                "vocab_size": self.args.vocab_size,
+            },
         }
 
     def flops_per_token(self, seq_len: int) -> float:
