@@ -224,6 +224,9 @@ class Transformer(nn.Module):
                 "layers.*.moe.shared_experts.w1": "colwise",
                 "layers.*.moe.shared_experts.w2": "rowwise_partial",
                 "layers.*.moe.shared_experts.w3": "colwise",
+                # Routed experts: hidden dim split over tp when there is no expert parallel; with
+                # ep > 1 the expert-parallel package owns them and this entry is skipped.
+                "layers.*.moe.experts": "experts_tp",
             },
             # RoPE is gathered by explicit positions, so no buffer needs sharding on sequence.
             "seq_dim_buffers": {},

@@ -1,0 +1,210 @@
+"""The DTensor parallel styles behind the plan strings that torch does not ship as is.
+
+Models are plain PyTorch, so every module boundary hands over *local* tensors. Inside a block,
+the hidden state is replicated over the TP ranks while the work on it is split (heads, hidden
+units, experts). Gradients there follow one rule, Megatron's:
+
+    inside a TP region the gradient of a replicated activation is a per-rank *partial sum*.
+
+A region is opened by `prepare_input` / `moe_input_output` on the block's attention / FFN / MoE
+module; its entry reduces those partial gradients once (reduce-scatter under sequence parallel,
+all-reduce otherwise). Every style inside a region keeps the rule:
+
+- `colwise` leaves its input gradient partial (no all-reduce per projection);
+- `replicate` (replicated weights, redundant compute) all-reduces its output gradient, computes
+  its own backward on complete gradients (so its weight gradients are complete, Replicate), and
+  hands back its input gradient as a partial sum again.
+
+Any mix of consumers then works with no knowledge of the model: MLA's shared rotary key (used by
+every local head), a router whose scores weight TP-partial expert outputs, shared experts.
+"""
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, SequenceParallel
+
+_PARTIAL = (Partial(),)
+_REPLICATE = (Replicate(),)
+
+
+def _first_arg(module: nn.Module, args: tuple, kwargs: dict, what: str) -> torch.Tensor:
+    if not args or not isinstance(args[0], torch.Tensor):
+        raise TypeError(
+            f"{what} on {type(module).__name__} converts the first positional argument (the hidden state), "
+            "but the module was called without a tensor there; pass the hidden state positionally."
+        )
+    return args[0]
+
+
+def enter_region(x: torch.Tensor, mesh: DeviceMesh, layout: Placement) -> torch.Tensor:
+    """`layout` (Shard(1) or Replicate) -> replicated local tensor whose gradient is a partial sum."""
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, (layout,), run_check=False)
+    # Backward: the partial local gradients become a Partial DTensor, reduce-scattered back to
+    # Shard(1) (or all-reduced to Replicate) by the redistribute's backward.
+    return x.redistribute(mesh, _REPLICATE).to_local(grad_placements=_PARTIAL)
+
+
+def leave_region(y: torch.Tensor, mesh: DeviceMesh, layout: Placement) -> torch.Tensor:
+    """A per-rank partial sum -> `layout` (Shard(1): reduce-scatter, Replicate: all-reduce), local."""
+    if isinstance(y, DTensor):
+        y = y.to_local()
+    return DTensor.from_local(y, mesh, _PARTIAL, run_check=False).redistribute(mesh, (layout,)).to_local()
+
+
+class RegionInput(ParallelStyle):
+    """`prepare_input` / `moe_input_output`: open a TP region on the module's first positional input.
+
+    With `output_layout`, the module's output is a partial sum over TP ranks (MoE: TP-sharded
+    experts plus row-wise shared experts) and is reduced to `output_layout` on the way out.
+    """
+
+    def __init__(self, input_layout: Placement, output_layout: Placement | None = None):
+        super().__init__()
+        self.input_layout = input_layout
+        self.output_layout = output_layout
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        what = "prepare_input" if self.output_layout is None else "moe_input_output"
+
+        def pre_hook(mod, args, kwargs):
+            x = _first_arg(mod, args, kwargs, what)
+            return (enter_region(x, device_mesh, self.input_layout), *args[1:]), kwargs
+
+        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        if self.output_layout is not None:
+            module.register_forward_hook(lambda mod, args, out: leave_region(out, device_mesh, self.output_layout))
+        return module
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(input_layout={self.input_layout}, output_layout={self.output_layout})"
+
+
+class RegionColwise(ColwiseParallel):
+    """`colwise` inside a region: weight Shard(0); the input gradient is left a partial sum."""
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+        x = inputs[0]
+        if isinstance(x, DTensor):
+            return x.redistribute(device_mesh, _REPLICATE)
+        return DTensor.from_local(x, device_mesh, _REPLICATE, run_check=False, grad_placements=_PARTIAL)
+
+
+def _replicate_params(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    # Parameters only (recurse=False: distribute_module visits every submodule); buffers such as a
+    # router's expert bias stay plain tensors the model updates itself.
+    for pname, param in list(module.named_parameters(recurse=False)):
+        if not isinstance(param, DTensor):
+            dist = nn.Parameter(distribute_tensor(param, mesh, _REPLICATE), requires_grad=param.requires_grad)
+            module.register_parameter(pname, dist)
+
+
+class ReplicateCompute(ParallelStyle):
+    """`replicate`: replicated parameters (Replicate DTensors), computed redundantly inside a region.
+
+    Input: a replicated local tensor with partial-sum gradient. Output: the same. In backward the
+    output gradient is all-reduced first, so the module's own backward (and its weight gradients)
+    sees complete gradients; its input gradient is split back into equal partial shares.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def input_fn(mod, inputs, mesh):
+            return tuple(
+                DTensor.from_local(x, mesh, _REPLICATE, run_check=False, grad_placements=_PARTIAL)
+                if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.is_floating_point()
+                else x
+                for x in inputs
+            )
+
+        def output_fn(mod, outputs, mesh):
+            return _map_tensors(outputs, lambda y: _all_reduce_grad(y, mesh))
+
+        return distribute_module(module, device_mesh, _replicate_params, input_fn, output_fn)
+
+
+def _all_reduce_grad(y: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Forward: the local replica. Backward: the partial local gradients are summed over `mesh`."""
+    if not isinstance(y, DTensor):
+        return y
+    # to_local(grad_placements=Partial) labels the incoming gradient a partial sum; from_local's
+    # backward (grad_placements=Replicate) all-reduces it before y's own backward runs.
+    replica = DTensor.from_local(y.to_local(), mesh, _REPLICATE, run_check=False, grad_placements=_REPLICATE)
+    return replica.to_local(grad_placements=_PARTIAL)
+
+
+def _map_tensors(outputs, fn):
+    if isinstance(outputs, torch.Tensor):
+        return fn(outputs)
+    if isinstance(outputs, tuple):
+        return tuple(_map_tensors(o, fn) for o in outputs)
+    if isinstance(outputs, list):
+        return [_map_tensors(o, fn) for o in outputs]
+    return outputs
+
+
+class ReplicatedNorm(ParallelStyle):
+    """`sequence_parallel` without sequence parallel: a norm on the replicated residual stream.
+
+    Parameters become Replicate DTensors so every parameter of a TP model lives on the tp mesh
+    (what FSDP + TP expects); the computation is plain replicated compute with complete gradients.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def input_fn(mod, inputs, mesh):
+            return tuple(
+                DTensor.from_local(x, mesh, _REPLICATE, run_check=False)
+                if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+                else x
+                for x in inputs
+            )
+
+        def output_fn(mod, outputs, mesh):
+            return _map_tensors(outputs, lambda y: y.to_local() if isinstance(y, DTensor) else y)
+
+        return distribute_module(module, device_mesh, _replicate_params, input_fn, output_fn)
+
+
+class ExpertsTensorParallel(ParallelStyle):
+    """`experts_tp`: routed grouped experts (`w1, w3 [E, dim, hidden]`, `w2 [E, hidden, dim]`) with
+    the hidden dim sharded over TP, for runs without expert parallel. The experts compute on their
+    local shards (plait's GroupedExperts calls `to_local()`), so their output is a partial sum, which
+    the enclosing `moe_input_output` reduces.
+    """
+
+    HIDDEN_DIM = {"w1": 2, "w3": 2, "w2": 1}
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for pname, dim in self.HIDDEN_DIM.items():
+            param = getattr(module, pname)
+            dist = nn.Parameter(distribute_tensor(param, device_mesh, (Shard(dim),)), requires_grad=param.requires_grad)
+            module.register_parameter(pname, dist)
+        return module
+
+
+class SequenceParallelNorm(SequenceParallel):
+    """`sequence_parallel` under SP: torch's SequenceParallel (replicated weights, input and output
+    Shard(1)), handing local tensors on, with each weight gradient reduced as soon as it is computed.
+
+    A norm on a sequence shard gives a Partial weight gradient; left so, every optimizer op and
+    the norm for clipping would all-reduce it again. (FSDP replaces these parameters and reduces
+    their gradients itself; the hook then simply no longer fires.)
+    """
+
+    def __init__(self):
+        super().__init__(sequence_dim=1, use_local_output=True)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+        for param in module.parameters():
+            if param.requires_grad:
+                param.register_hook(_replicate_grad)
+        return module
+
+
+def _replicate_grad(grad: torch.Tensor) -> torch.Tensor:
+    if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+        return grad.redistribute(grad.device_mesh, _REPLICATE * grad.device_mesh.ndim)
+    return grad
