@@ -45,7 +45,7 @@ class DataParallelConfig:
 
 
 def data_parallel_mode(dims: ParallelDims, config: DataParallelConfig) -> str:
-    """"none", "fsdp", "hsdp", "replicate" (FSDP-based) or "ddp", from the degrees alone."""
+    """The mode the degrees give: "none", "fsdp", "hsdp", "replicate" (FSDP-based) or "ddp"."""
     shard = dims.dp_shard_cp > 1
     replicate = dims.dp_replicate > 1
     if shard:
@@ -71,6 +71,12 @@ def validate(
     dims = meshes.dims
     mode = data_parallel_mode(dims, config)
     _validate_paths(model, blocks, expert_modules)
+    if config.replicate_impl == "ddp" and dims.dp_shard_cp > 1:
+        raise ParallelConfigError(
+            f"data_parallel.replicate_impl = 'ddp' with dp_shard * cp = {dims.dp_shard_cp} > 1: DDP only "
+            "replicates. Use replicate_impl = 'fsdp' (FSDP / HSDP shard over dp_shard * cp), or set "
+            "parallelism.dp_shard = 1 and cp = 1 to replicate over dp_replicate."
+        )
     if mode == "ddp":
         _validate_ddp(model, dims, config)
     if mode in ("fsdp", "hsdp"):
@@ -115,8 +121,6 @@ def _validate_reshard_degree(raf: str | int, what: str, size: int) -> None:
 
 
 def _validate_paths(model: nn.Module, blocks: Sequence[str], expert_modules: Sequence[str]) -> None:
-    if isinstance(blocks, str) or isinstance(expert_modules, str):
-        raise ParallelConfigError("blocks and expert_modules are lists of module paths, not a single string.")
     names = dict(model.named_modules())
     for kind, paths in (("block", blocks), ("expert module", expert_modules)):
         seen = set()
