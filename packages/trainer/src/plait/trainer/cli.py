@@ -1,0 +1,195 @@
+"""`plait-train`: parse the config, validate it, then train here or launch N local ranks.
+
+    plait-train                                   # Llama 3 debug model, shipped corpus, short run
+    plait-train --config llama3_8B.toml --training.steps 1000
+    plait-train --nproc-per-node 2 --training.local_batch_size 4
+    torchrun --nproc-per-node 8 -m plait.trainer --config llama3_8B.toml
+
+Configuration errors print one line and exit 2; a diverged run exits 1.
+"""
+
+import difflib
+import os
+import sys
+from dataclasses import dataclass, field
+
+from .config import ConfigError, all_keys, build_config, help_text, load_toml, shipped_configs, to_toml
+
+USAGE = """usage: plait-train [--config FILE.toml] [--print-config] [--nproc-per-node N] [--section.key VALUE ...]
+
+Train a plait model. Settings come from the defaults below, then --config (a path, or the name
+of a shipped config: {shipped}; default llama3_debugmodel.toml), then --section.key VALUE
+overrides in order.
+
+  --config FILE         TOML file with [job], [model], [data], ... sections
+  --print-config        print the effective configuration as TOML and exit
+  --nproc-per-node N    start N local ranks with torch's elastic launcher (python -m plait.trainer)
+  -h, --help            this help
+
+Multi-node: torchrun --nnodes ... --rdzv-backend c10d --rdzv-endpoint HOST:PORT -m plait.trainer ...
+
+Settings (--section.key VALUE or --section.key=VALUE; booleans alone mean true):
+"""
+
+# What `plait-train` with no --config runs: the Llama 3 debug model on the shipped corpus.
+DEFAULT_CONFIG = "llama3_debugmodel.toml"
+
+_OPTIONS = ["--config", "--print-config", "--nproc-per-node", "--help"]
+
+
+@dataclass
+class Args:
+    config: str | None = None
+    print_config: bool = False
+    help: bool = False
+    nproc_per_node: int = 1
+    overrides: list[tuple[str, str]] = field(default_factory=list)
+    forward: list[str] = field(default_factory=list)  # argv for the ranks (without --nproc-per-node)
+
+
+def _is_value(token: str) -> bool:
+    if not token.startswith("--"):
+        return True
+    try:  # a negative number is a value
+        float(token)
+        return True
+    except ValueError:
+        return False
+
+
+def parse_args(argv: list[str]) -> Args:
+    args = Args()
+    bool_keys = _bool_keys()
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        name, eq, inline = token.partition("=")
+        has_next = i + 1 < len(argv) and _is_value(argv[i + 1])
+        given = inline if eq else (argv[i + 1] if has_next else None)
+        consumed = 1 if eq else 2
+        if name in ("-h", "--help"):
+            args.help, consumed = True, 1
+        elif name == "--print-config":
+            args.print_config, consumed = True, 1
+        elif name == "--config":
+            args.config = _need(name, given)
+        elif name in ("--nproc-per-node", "--nproc_per_node"):
+            raw = _need(name, given)
+            try:
+                args.nproc_per_node = int(raw)
+            except ValueError:
+                raise ConfigError(f"--nproc-per-node {raw!r}: expected a number of ranks.") from None
+            if args.nproc_per_node < 1:
+                raise ConfigError("--nproc-per-node must be >= 1.")
+            i += consumed
+            continue  # not forwarded
+        elif name.startswith("--") and "." in name:
+            key = name[2:]
+            if not eq and not has_next and key in bool_keys:
+                args.overrides.append((key, "true"))
+                consumed = 1
+            else:
+                args.overrides.append((key, _need(name, given)))
+        elif name.startswith("-"):
+            close = difflib.get_close_matches(name, _OPTIONS + [f"--{k}" for k in all_keys()], n=1, cutoff=0.5)
+            hint = f" Did you mean {close[0]}?" if close else " See plait-train --help."
+            raise ConfigError(f"unknown option {name!r}.{hint}")
+        else:
+            raise ConfigError(f"unexpected argument {token!r}: settings are given as --section.key VALUE.")
+        args.forward.extend(argv[i : i + consumed])
+        i += consumed
+    return args
+
+
+def _need(flag: str, value: str | None) -> str:
+    if value is None:
+        raise ConfigError(f"{flag} needs a value.")
+    return value
+
+
+def _bool_keys() -> set[str]:
+    import typing
+    from dataclasses import fields
+
+    from .config import SECTIONS
+
+    keys = set()
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        keys.update(f"{section}.{f.name}" for f in fields(cls) if hints[f.name] is bool)
+    return keys
+
+
+def _under_launcher() -> bool:
+    return "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def launch(nproc: int, forward: list[str]) -> int:
+    """Start `nproc` local ranks of `python -m plait.trainer <forward>` with torch's elastic launcher."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    # Local ranks talk over loopback; interface discovery can pick an unroutable one in containers.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    launcher_args = get_args_parser().parse_args(
+        ["--standalone", f"--nproc-per-node={nproc}", "--module", "plait.trainer", *forward]
+    )
+    try:
+        run(launcher_args)
+    except ChildFailedError as e:
+        failures = e.failures
+        rank, failure = min(failures.items())
+        print(
+            f"plait-train: rank {rank} of {nproc} failed with exit code {failure.exitcode} (see its output above).",
+            file=sys.stderr,
+        )
+        return failure.exitcode if failure.exitcode > 0 else 1
+    except SignalException as e:
+        # The launcher forwarded the signal; the ranks finish their step and write their metrics.
+        print(f"plait-train: stopped by signal {e.sigval}.", file=sys.stderr)
+        return 0
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # Before torch (and its OpenMP runtime) loads: idle OpenMP threads sleep instead of spinning.
+    # Spinning threads starve each other whenever the cores are shared (other ranks, other jobs),
+    # which can make a CPU step 10x slower; set OMP_WAIT_POLICY=ACTIVE to get spinning back.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from .train import TrainingDiverged
+
+    try:
+        args = parse_args(argv)
+        if args.help:
+            from .config import help_text
+
+            print(USAGE.format(shipped=", ".join(shipped_configs())) + help_text())
+            return 0
+        config = build_config(load_toml(args.config or DEFAULT_CONFIG), args.overrides)
+        if args.print_config:
+            print(to_toml(config, with_docs=True))
+            return 0
+        if args.nproc_per_node > 1 and not _under_launcher():
+            from .validate import validate
+
+            validate(config, world_size=args.nproc_per_node)  # fail here, before any rank starts
+            return launch(args.nproc_per_node, args.forward)
+        from .train import run
+
+        run(config)
+        return 0
+    except ConfigError as e:
+        print(f"plait-train: error: {e}", file=sys.stderr)
+        return 2
+    except TrainingDiverged as e:
+        if os.environ.get("RANK", "0") == "0":  # the same on every rank (losses are all-reduced)
+            print(f"plait-train: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("plait-train: interrupted.", file=sys.stderr)
+        return 130
+
+
+__all__ = ["main", "parse_args", "help_text"]

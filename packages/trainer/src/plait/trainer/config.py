@@ -1,0 +1,400 @@
+"""The run's configuration: one dataclass per section, loaded from TOML plus `--section.key value`.
+
+Every field is documented by the string literal under it; `plait-train --help` prints those
+docs, and `--print-config` prints the effective configuration as TOML. Unknown keys fail with
+the closest valid name.
+"""
+
+import ast
+import dataclasses
+import difflib
+import functools
+import inspect
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; `plait-train` prints the message (one line) and exits 1."""
+
+
+@dataclass
+class JobConfig:
+    dump_folder: str = "./outputs"
+    """Folder for metrics.jsonl, tensorboard events (tb/), profiler traces and checkpoints."""
+    seed: int = 0
+    """Seed of the initial weights and the data order; the same seed gives the same run on any layout."""
+    description: str = ""
+    """Free text, printed at start-up."""
+
+
+@dataclass
+class ModelConfig:
+    name: Literal["llama3", "deepseek_v3"] = "llama3"
+    """Model family in the plait.models registry."""
+    flavor: str = "debugmodel"
+    """Size within the family: llama3 debugmodel, 1B, 3B, 8B, 70B, 405B; deepseek_v3 debugmodel, 16B, 236B, 671B."""
+    tokenizer_path: str = ""
+    """Tokenizer file (tiktoken BPE); empty means the small BPE shipped with plait-trainer."""
+    init: Literal["auto", "full", "sharded"] = "auto"
+    """Weight init. full: every rank materialises the whole model and runs init_weights from job.seed
+    before any sharding, so the initial weights are identical on every layout (parity from step 1).
+    sharded: materialise only the local shards and init them (needed when the full model does not
+    fit one device; DTensor random init, bitwise parity with 1 rank not promised on CPU). auto: full
+    when the fp32 model takes under 8 GiB, else sharded."""
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "builtin"
+    """Training dataset: "builtin" (the small corpus shipped with plait-trainer), a local format
+    (json, parquet, text, csv, arrow) read from dataset_path, a local path, a hub alias (c4,
+    fineweb, fineweb-edu) or a Hugging Face id "owner/name[:config]" (see plait.trainer.data)."""
+    dataset_path: str = ""
+    """Local file, glob or folder to read the dataset from (local formats, or a local copy of a
+    hub dataset)."""
+    text_field: str = "text"
+    """Column of the dataset that holds the text."""
+    streaming: bool = False
+    """Stream the dataset instead of downloading it first (Hugging Face datasets)."""
+    val_dataset: str = ""
+    """Validation dataset (same forms as dataset, read with split "validation"; dataset_path is
+    used when it names the same dataset); empty disables validation."""
+    val_interval: int = 0
+    """Run validation every this many steps (0: never)."""
+    val_steps: int = 10
+    """Batches per validation run."""
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 60
+    """Optimizer steps to run."""
+    local_batch_size: int = 8
+    """Sequences per micro-batch on each data-parallel rank. Global batch = local_batch_size x
+    gradient_accumulation_steps x data-parallel degree."""
+    seq_len: int = 256
+    """Tokens per sequence; at most the model's max_seq_len."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step; each micro-batch loss is scaled by 1/this, so the step's
+    gradient is the mean over the global batch."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype. bfloat16: FSDP/TP runs cast parameters by the sharding policy (fp32 master
+    weights, fp32 gradient reduction); a single process uses autocast."""
+    deterministic: bool = False
+    """torch.use_deterministic_algorithms(True) and deterministic kernels: bitwise-repeatable runs."""
+    compile: bool = False
+    """torch.compile each block (needs a C++ compiler on CPU, triton on GPU)."""
+    activation_checkpoint: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in backward. full: keep only block inputs. selective: op-level, keep
+    matmul and attention outputs, recompute the rest (norms, activations, RoPE)."""
+    activation_checkpoint_every: int = 1
+    """Apply the activation_checkpoint policy to every k-th block only (blocks 0, k, 2k, ...)."""
+    max_norm: float = 1.0
+    """Clip the global gradient norm to this (0 disables clipping; the norm is still logged)."""
+
+
+@dataclass
+class ParallelismConfig:
+    dp_replicate: int = 1
+    """Replicated data-parallel degree (DDP / HSDP's replicate axis)."""
+    dp_shard: int = -1
+    """Sharded data-parallel degree (FSDP); -1 infers it as world_size / (dp_replicate * cp * tp)."""
+    cp: int = 1
+    """Context-parallel degree (needs plait-contextparallel)."""
+    cp_method: Literal["allgather", "alltoall", "ulysses"] = "allgather"
+    """Context-parallel attention: ring with all-gathered kv, ring with kv rotation, or head all-to-all."""
+    tp: int = 1
+    """Tensor-parallel degree (needs plait-tensorparallel)."""
+    sequence_parallel: bool = True
+    """Under TP, shard norms and residuals on the sequence dimension."""
+    loss_parallel: bool = True
+    """Under TP, compute the loss on vocabulary-sharded logits without gathering them."""
+    async_tp: bool = False
+    """Overlap TP collectives with matmuls (symmetric memory, CUDA only)."""
+    ep: int = 1
+    """Expert-parallel degree for MoE models, borrowed from dp_shard x cp (needs plait-expertparallel)."""
+    etp: int = 1
+    """Expert tensor-parallel degree: 1 or tp."""
+    replicate_impl: Literal["fsdp", "ddp"] = "fsdp"
+    """How dp_replicate is done without sharding: FSDP-based replicate or DDP."""
+    reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """FSDP: free gathered parameters after forward (always), keep them for backward (never), or
+    plait.dataparallel's choice (default)."""
+
+
+@dataclass
+class OptimizerConfig:
+    name: Literal["adamw"] = "adamw"
+    """Optimizer."""
+    lr: float = 2e-3
+    """Peak learning rate (after warmup)."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay (AdamW), applied to every parameter."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """Adam beta1, beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    implementation: Literal["auto", "fused", "foreach"] = "auto"
+    """Kernel: fused (one kernel for all parameters), foreach (multi-tensor), or auto (fused
+    where the device supports it, else foreach)."""
+
+
+@dataclass
+class LRSchedulerConfig:
+    warmup_steps: int = 6
+    """Steps of linear warmup from lr/warmup_steps to lr."""
+    decay: Literal["linear", "cosine", "wsd", "none"] = "linear"
+    """After warmup: linear or cosine decay to lr * min_lr_ratio over the remaining steps; wsd holds
+    lr, then decays linearly over the last decay_ratio of the steps after warmup; none holds lr."""
+    decay_ratio: float = 0.2
+    """wsd only: fraction of the post-warmup steps spent decaying."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate as a fraction of lr."""
+
+
+@dataclass
+class CheckpointConfig:
+    folder: str = "checkpoint"
+    """Checkpoint folder, relative to job.dump_folder. (Saving arrives in a later release.)"""
+    interval: int = 0
+    """Save every this many steps (0: never)."""
+    keep_last: int = 0
+    """Keep only this many most recent checkpoints (0: keep all)."""
+
+
+@dataclass
+class MetricsConfig:
+    log_freq: int = 10
+    """Print/log every this many steps (the only steps that synchronise with the host)."""
+    tensorboard: bool = True
+    """Write tensorboard events under <dump_folder>/tb (rank 0)."""
+    profile_interval: int = 0
+    """Write a torch profiler trace of one step every this many steps under <dump_folder>/profile
+    (0: off)."""
+    cpu_peak_tflops: float = 0.0
+    """Peak TFLOP/s of one rank on CPU, for MFU; 0 measures a matmul once at start-up."""
+    progress_bar: bool = True
+    """Show a tqdm progress bar (rank 0)."""
+
+
+@dataclass
+class Config:
+    job: JobConfig = field(default_factory=JobConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+
+SECTIONS: dict[str, type] = {f.name: f.type for f in fields(Config)}
+
+
+# ---- field docs ---------------------------------------------------------------------------------
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The string literal under each field of dataclass `cls` (its attribute docstring)."""
+    try:
+        tree = ast.parse(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    docs = {}
+    body = tree.body[0].body
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+# ---- typed values -------------------------------------------------------------------------------
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "{" + ",".join(str(a) for a in typing.get_args(tp)) + "}"
+    if typing.get_origin(tp) is tuple:
+        return "(" + ", ".join(_type_name(a) for a in typing.get_args(tp)) + ")"
+    return getattr(tp, "__name__", str(tp))
+
+
+def coerce(name: str, tp: Any, value: Any) -> Any:
+    """`value` (a TOML value or a command-line string) as type `tp`, or ConfigError naming `name`."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        value = coerce(name, type(choices[0]), value)
+        if value not in choices:
+            raise ConfigError(f"{name} = {value!r}: choose one of {', '.join(map(str, choices))}.")
+        return value
+    if origin is tuple:
+        items = value
+        if isinstance(value, str):
+            items = [s for s in value.strip("[]() ").split(",") if s.strip()]
+        if not isinstance(items, (list, tuple)) or len(items) != len(typing.get_args(tp)):
+            raise ConfigError(f"{name} = {value!r}: expected {len(typing.get_args(tp))} values, e.g. 0.9,0.95.")
+        return tuple(coerce(name, a, v) for a, v in zip(typing.get_args(tp), items))
+    if origin in (types.UnionType, typing.Union):
+        raise TypeError(f"unsupported config type {tp} for {name}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        raise ConfigError(f"{name} = {value!r}: expected true or false.")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        try:
+            return int(str(value), 0)
+        except ValueError:
+            raise ConfigError(f"{name} = {value!r}: expected an integer.") from None
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name} = {value!r}: expected a number.") from None
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{name} = {value!r}: expected a string.")
+        return str(value)
+    raise TypeError(f"unsupported config type {tp} for {name}")
+
+
+def _closest(name: str, candidates: list[str]) -> str:
+    match = difflib.get_close_matches(name, candidates, n=1, cutoff=0.5)
+    return f" Did you mean {match[0]}?" if match else f" Valid: {', '.join(candidates)}."
+
+
+def all_keys() -> list[str]:
+    return [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in fields(cls)]
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls, include_extras=False)
+    return {f.name: hints[f.name] for f in fields(cls)}
+
+
+def set_value(config: Config, key: str, value: Any) -> None:
+    """Set `section.name` from a TOML value or a command-line string, with type checks."""
+    section, _, name = key.partition(".")
+    if section not in SECTIONS or not name:
+        raise ConfigError(f"unknown config key {key!r}.{_closest(key, all_keys())}")
+    cls = SECTIONS[section]
+    types_ = _field_types(cls)
+    if name not in types_:
+        raise ConfigError(f"unknown config key {key!r}.{_closest(key, all_keys())}")
+    setattr(getattr(config, section), name, coerce(key, types_[name], value))
+
+
+def _shipped_config(name: str) -> Path | None:
+    path = resources.files("plait.trainer") / "configs" / name
+    return Path(str(path)) if path.is_file() else None
+
+
+def load_toml(path: str) -> dict:
+    """Parse a TOML file; a bare name (`llama3_8B.toml`) also finds the shipped configs."""
+    file = Path(path)
+    if not file.is_file():
+        shipped = _shipped_config(path) or _shipped_config(path + ".toml")
+        if shipped is None:
+            raise ConfigError(f"config file not found: {path} (shipped configs: {', '.join(shipped_configs())}).")
+        file = shipped
+    try:
+        with open(file, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"cannot parse {file}: {e}.") from None
+
+
+def shipped_configs() -> list[str]:
+    folder = resources.files("plait.trainer") / "configs"
+    return sorted(p.name for p in folder.iterdir() if p.name.endswith(".toml"))
+
+
+def build_config(toml: dict | None = None, overrides: list[tuple[str, str]] = ()) -> Config:
+    """Defaults, then the TOML tables, then `--section.key value` overrides (in order)."""
+    config = Config()
+    for section, table in (toml or {}).items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"top-level key {section!r} in the config file must be a [section].")
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown config section [{section}].{_closest(section, list(SECTIONS))}")
+        for name, value in table.items():
+            set_value(config, f"{section}.{name}", value)
+    for key, value in overrides:
+        set_value(config, key, value)
+    return config
+
+
+# ---- output -------------------------------------------------------------------------------------
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def to_toml(config: Config, with_docs: bool = False) -> str:
+    lines = []
+    for section, cls in SECTIONS.items():
+        lines.append(f"[{section}]")
+        docs = field_docs(cls)
+        for f in fields(cls):
+            if with_docs and f.name in docs:
+                lines.append(f"# {docs[f.name]}")
+            lines.append(f"{f.name} = {_toml_value(getattr(getattr(config, section), f.name))}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def to_dict(config: Config) -> dict:
+    return dataclasses.asdict(config)
+
+
+def help_text() -> str:
+    out = []
+    for section, cls in SECTIONS.items():
+        out.append(f"[{section}]")
+        docs = field_docs(cls)
+        types_ = _field_types(cls)
+        default = cls()
+        for f in fields(cls):
+            out.append(
+                f"  --{section}.{f.name} {_type_name(types_[f.name]).upper() if types_[f.name] in (int, float, str, bool) else _type_name(types_[f.name])}"
+                f"  (default: {_toml_value(getattr(default, f.name))})"
+            )
+            if f.name in docs:
+                out.append(f"      {docs[f.name]}")
+        out.append("")
+    return "\n".join(out)

@@ -1,0 +1,95 @@
+"""Where documents come from: every source goes through `datasets.load_dataset`.
+
+`dataset` names one of:
+  * "builtin"                    the offline corpus shipped in `assets/corpus/` (stdlib docs);
+  * "json" | "parquet" | "text" | "csv" | "arrow"
+                                 local files at `dataset_path` (a file, a glob or a directory);
+  * "auto" (or "")               local files at `dataset_path`, builder inferred from the extension;
+  * a local path                 same as "auto" with that path;
+  * "c4" | "fineweb" | "fineweb-edu"
+                                 hub aliases (allenai/c4 "en", HuggingFaceFW/fineweb(-edu)
+                                 "sample-10BT"); `dataset_path` may point at a local copy;
+  * "owner/name" or "owner/name:config"
+                                 any hub dataset; `dataset_path` may point at a local copy.
+Hub datasets are meant to be read with `streaming=True`.
+"""
+
+from __future__ import annotations
+
+import os
+from importlib import resources
+from pathlib import Path
+
+import datasets
+
+LOCAL_BUILDERS = ("json", "parquet", "text", "csv", "arrow")
+_EXTENSION_BUILDERS = {
+    ".json": "json", ".jsonl": "json", ".ndjson": "json",
+    ".parquet": "parquet",
+    ".txt": "text", ".text": "text", ".md": "text",
+    ".csv": "csv",
+    ".arrow": "arrow",
+}
+_COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip")
+HUB_ALIASES = {
+    "c4": ("allenai/c4", "en"),
+    "fineweb": ("HuggingFaceFW/fineweb", "sample-10BT"),
+    "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT"),
+}
+
+
+def builtin_corpus_files() -> dict[str, str]:
+    corpus = resources.files("plait.trainer") / "assets" / "corpus"
+    return {split: str(corpus / f"{split}.jsonl.gz") for split in ("train", "validation")}
+
+
+def infer_builder(path: str) -> str:
+    """The `datasets` packaged builder for a file, glob or directory, from file extensions."""
+    p = Path(path)
+    names = [p.name] if not p.is_dir() else sorted(f.name for f in p.rglob("*") if f.is_file())
+    for name in names:
+        for comp in _COMPRESSIONS:
+            name = name.removesuffix(comp)
+        builder = _EXTENSION_BUILDERS.get(os.path.splitext(name)[1].lower())
+        if builder:
+            return builder
+    raise ValueError(f"cannot infer the dataset format of {path!r}: expected files ending in "
+                     f"{sorted(_EXTENSION_BUILDERS)}; or set dataset to one of {LOCAL_BUILDERS}")
+
+
+def _load_local(builder: str, path: str, split: str, streaming: bool):
+    if os.path.isdir(path):
+        # Files named after their split (train*.jsonl, validation*.jsonl, ...) are matched by
+        # datasets' own patterns.
+        return datasets.load_dataset(builder, data_dir=path, split=split, streaming=streaming)
+    if not any(ch in path for ch in "*?[") and not os.path.exists(path):
+        raise FileNotFoundError(f"dataset_path not found: {path!r}")
+    # A single file or glob is the requested split.
+    return datasets.load_dataset(builder, data_files={split: path}, split=split, streaming=streaming)
+
+
+def load_documents(dataset: str, dataset_path: str | None, split: str = "train", streaming: bool = False):
+    """A `datasets.Dataset` (map-style) or `datasets.IterableDataset` (streaming) of documents."""
+    if dataset == "builtin":
+        if dataset_path:
+            raise ValueError("dataset 'builtin' is shipped with plait; it takes no dataset_path")
+        files = builtin_corpus_files()
+        if split not in files:
+            raise ValueError(f"the builtin corpus has splits {sorted(files)}, not {split!r}")
+        return datasets.load_dataset("json", data_files={split: files[split]}, split=split, streaming=streaming)
+    if dataset in LOCAL_BUILDERS:
+        if not dataset_path:
+            raise ValueError(f"dataset {dataset!r} reads local files: set dataset_path")
+        return _load_local(dataset, dataset_path, split, streaming)
+    if dataset in ("", "auto") or os.path.exists(dataset):
+        path = dataset_path if dataset in ("", "auto") else dataset
+        if not path:
+            raise ValueError("dataset 'auto' infers the format from dataset_path: set dataset_path")
+        return _load_local(infer_builder(path), path, split, streaming)
+    repo, _, config = dataset.partition(":")
+    if repo in HUB_ALIASES and not config:
+        repo, config = HUB_ALIASES[repo]
+    if "/" not in repo:
+        raise ValueError(f"unknown dataset {dataset!r}: use 'builtin', one of {LOCAL_BUILDERS} with "
+                         f"dataset_path, a local path, one of {sorted(HUB_ALIASES)}, or 'owner/name[:config]'")
+    return datasets.load_dataset(dataset_path or repo, name=config or None, split=split, streaming=streaming)

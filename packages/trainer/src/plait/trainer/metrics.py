@@ -1,0 +1,204 @@
+"""Per-step metrics without per-step host syncs.
+
+Each step's loss and gradient norm stay on the device; every `log_freq` steps (and at the end)
+the window is flushed: one all-reduce of the stacked losses over the data-parallel x cp ranks,
+one device-to-host copy, then one metrics.jsonl line per step, a console line, tensorboard
+scalars and the tqdm bar. Throughput, MFU and memory are window averages (a step's own wall
+time is not known without a sync); data-loading time is per step (host time).
+"""
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+# Dense bf16 peak TFLOP/s per GPU (no sparsity).
+PEAK_TFLOPS_BF16 = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "B200": 2250.0}
+
+
+def measure_cpu_tflops(dtype: torch.dtype, seconds: float = 0.3) -> float:
+    """Peak matmul TFLOP/s of this process's threads: the fastest of repeated square matmuls
+    (the fastest, not the mean, so a briefly busy machine does not lower the peak)."""
+    n = 1024
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
+    torch.mm(a, b)  # warm up (oneDNN primitive creation)
+    best, deadline = float("inf"), time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best / 1e12
+
+
+def peak_tflops(device: torch.device, dtype: torch.dtype, cpu_peak: float = 0.0) -> float:
+    """Per-device peak for MFU: the GPU table (bf16 dense), or the CPU's (configured or measured)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, value in PEAK_TFLOPS_BF16.items():
+            if key in name:
+                return value
+        return float("nan")
+    return cpu_peak if cpu_peak > 0 else measure_cpu_tflops(dtype)
+
+
+def memory_gib(device: torch.device) -> float:
+    """Peak memory of this rank: CUDA max allocated, or the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # ru_maxrss is KiB on Linux
+
+
+@dataclass
+class _Window:
+    steps: list[int] = field(default_factory=list)
+    losses: list[torch.Tensor] = field(default_factory=list)
+    grad_norms: list[torch.Tensor] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+    data_s: list[float] = field(default_factory=list)
+    start: float = field(default_factory=time.perf_counter)
+    excluded_s: float = 0.0  # time inside the window that was not training (validation)
+
+
+class MetricsLogger:
+    """Collects steps on the device and writes them at flush time (rank 0 writes files)."""
+
+    def __init__(
+        self,
+        dump_folder: str,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        loss_mesh: DeviceMesh | None,
+        tokens_per_step_per_rank: float,
+        flops_per_token: float,
+        peak_tflops_per_rank: float,
+        tensorboard: bool,
+        total_steps: int,
+        progress_bar: bool,
+    ):
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.loss_mesh = loss_mesh
+        self.tokens_per_rank = tokens_per_step_per_rank
+        self.flops_per_token = flops_per_token
+        self.peak = peak_tflops_per_rank
+        self.window = _Window()
+        self.last: dict = {}
+        self.jsonl = None
+        self.tb = None
+        self.bar = None
+        if rank == 0:
+            Path(dump_folder).mkdir(parents=True, exist_ok=True)
+            self.jsonl = open(os.path.join(dump_folder, "metrics.jsonl"), "w")
+            if tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(os.path.join(dump_folder, "tb"))
+            if progress_bar and sys.stderr.isatty():  # a bar in a log file is noise: plain lines there
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total_steps, desc="train", dynamic_ncols=True, leave=False)
+
+    def record(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, data_s: float) -> None:
+        """Keep one step's values (device tensors, no sync)."""
+        w = self.window
+        w.steps.append(step)
+        w.losses.append(loss.detach().float().reshape(()))
+        w.grad_norms.append(grad_norm.detach().float().reshape(()).to(loss.device))
+        w.lrs.append(lr)
+        w.data_s.append(data_s)
+
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` (e.g. validation) out of the current window's throughput."""
+        self.window.excluded_s += seconds
+
+    def flush(self) -> list[dict]:
+        """Write every recorded step; return their rows (all ranks get the same losses)."""
+        w = self.window
+        if not w.steps:
+            return []
+        elapsed = time.perf_counter() - w.start - w.excluded_s
+        losses = torch.stack(w.losses)
+        if self.loss_mesh is not None:
+            # The one collective of a log step: the mean loss over every rank that saw different data.
+            # (SUM then divide: gloo has no AVG.)
+            dist.all_reduce(losses, op=dist.ReduceOp.SUM, group=self.loss_mesh.get_group())
+            losses = losses / self.loss_mesh.size()
+        values = torch.stack([losses, torch.stack(w.grad_norms)]).cpu().tolist()
+        n = len(w.steps)
+        step_s = elapsed / n
+        tps_rank = self.tokens_per_rank / step_s
+        tflops = self.flops_per_token * tps_rank / 1e12
+        mem = memory_gib(self.device)
+        rows = []
+        for i, step in enumerate(w.steps):
+            rows.append(
+                {
+                    "step": step,
+                    "loss": values[0][i],
+                    "grad_norm": values[1][i],
+                    "lr": w.lrs[i],
+                    "tokens_per_second": tps_rank * self.world_size,
+                    "tokens_per_second_per_rank": tps_rank,
+                    "tflops_per_rank": tflops,
+                    "mfu": tflops / self.peak if self.peak and not math.isnan(self.peak) else float("nan"),
+                    "memory_gib": mem,
+                    "step_time_s": step_s,
+                    "data_time_s": w.data_s[i],
+                }
+            )
+        self.window = _Window()
+        self.last = rows[-1]
+        if self.rank == 0:
+            self._write(rows)
+        return rows
+
+    def _write(self, rows: list[dict]) -> None:
+        for row in rows:
+            self.jsonl.write(json.dumps(row) + "\n")
+            if self.tb is not None:
+                for key, value in row.items():
+                    if key != "step" and isinstance(value, float) and math.isfinite(value):
+                        self.tb.add_scalar(key, value, row["step"])
+        self.jsonl.flush()
+        last = rows[-1]
+        line = (
+            f"step {last['step']:>6}  loss {last['loss']:8.4f}  grad_norm {last['grad_norm']:7.3f}  "
+            f"lr {last['lr']:.2e}  tok/s {last['tokens_per_second']:9.0f} ({last['tokens_per_second_per_rank']:.0f}/rank)  "
+            f"TFLOP/s {last['tflops_per_rank']:.3f}/rank  mfu {100 * last['mfu']:5.1f}%  "
+            f"mem {last['memory_gib']:.2f} GiB  data {1000 * last['data_time_s']:.1f} ms"
+        )
+        if self.bar is not None:
+            self.bar.update(len(rows))
+            self.bar.set_postfix(loss=f"{last['loss']:.4f}", refresh=False)
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def log_scalars(self, step: int, values: dict) -> None:
+        """Extra scalars (validation): console and tensorboard on rank 0."""
+        if self.rank != 0:
+            return
+        text = "  ".join(f"{k} {v:.4f}" for k, v in values.items())
+        (self.bar.write if self.bar is not None else print)(f"step {step:>6}  {text}")
+        if self.tb is not None:
+            for key, value in values.items():
+                self.tb.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.jsonl is not None:
+            self.jsonl.close()

@@ -1,0 +1,109 @@
+"""Model on meta -> tensor parallel -> activation checkpointing -> compile per block -> data parallel.
+
+Initial weights are the same on every layout: with `full_init` (the default whenever the fp32
+model fits in a few GiB) every rank materialises the whole model on its device, seeds the RNG
+with job.seed and runs `init_weights()` before anything is sharded; tensor and data parallel
+then shard those existing full tensors, so rank r's shard is exactly the slice of the 1-rank
+model (parity from step 1). Models too large for that are parallelised on the meta device and
+only their local shards are materialised and initialised (`init = "sharded"`).
+"""
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from plait.mesh import Meshes, ParallelConfigError
+
+from .activation_checkpoint import apply_activation_checkpointing
+from .config import Config, ConfigError
+from .validate import RunPlan, tp_config
+
+
+@dataclass
+class ParallelModel:
+    model: nn.Module  # what to call (a DDP wrapper under replicate_impl = "ddp")
+    inner: nn.Module  # the plait model itself
+    dp_mode: str  # none, fsdp, hsdp, replicate, ddp
+    autocast: contextlib.AbstractContextManager | None  # for forward + loss, or None
+    loss_parallel: bool
+
+
+def _dtype(config: Config) -> torch.dtype:
+    return torch.bfloat16 if config.training.dtype == "bfloat16" else torch.float32
+
+
+def data_parallel_config(config: Config):
+    from plait.dataparallel import DataParallelConfig
+
+    dtype = _dtype(config)
+    return DataParallelConfig(
+        param_dtype=dtype if dtype != torch.float32 else None,
+        reduce_dtype=torch.float32,
+        reshard_after_forward=config.parallelism.reshard_after_forward,
+        replicate_impl=config.parallelism.replicate_impl,
+    )
+
+
+def _init(model: nn.Module, device: torch.device, seed: int) -> None:
+    model.to_empty(device=device)
+    # Same seed on every rank and layout: init draws the same numbers for the same full tensors.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        if device.type == "cuda":
+            torch.cuda.manual_seed(seed)
+        model.init_weights(buffer_device=device)
+
+
+def parallelize(config: Config, plan: RunPlan, meshes: Meshes, device: torch.device) -> ParallelModel:
+    """Apply every parallelism in the fixed order; the packages' own local checks (the same on
+    every rank, before their first collective) surface as ConfigError."""
+    errors = (ParallelConfigError,) + tuple(
+        m.__dict__[name] for m in plan.parallel_modules.values() for name in dir(m) if name.endswith("ConfigError")
+    )
+    try:
+        return _parallelize(config, plan, meshes, device)
+    except errors as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
+
+
+def _parallelize(config: Config, plan: RunPlan, meshes: Meshes, device: torch.device) -> ParallelModel:
+    from plait.dataparallel import apply_data_parallel, autocast_context
+    from plait.dataparallel.config import data_parallel_mode
+
+    model, info = plan.model, plan.info
+    blocks = list(info["blocks"])
+    if plan.full_init:
+        _init(model, device, config.job.seed)
+
+    loss_parallel = False
+    if meshes.dims.tp > 1:
+        tp = plan.parallel_modules["tp"]
+        tp_cfg = tp_config(tp, config)
+        tp.apply_tensor_parallel(model, meshes.tp, info["tp_plan"], tp_cfg)
+        loss_parallel = tp.uses_loss_parallel(info["tp_plan"], tp_cfg, meshes.dims.tp)
+    # cp and ep: validation has already refused them until their packages provide an entry point.
+
+    apply_activation_checkpointing(
+        model, blocks, config.training.activation_checkpoint, config.training.activation_checkpoint_every
+    )
+    if config.training.compile:
+        for path in blocks:
+            model.get_submodule(path).compile()
+
+    dp_config = data_parallel_config(config)
+    dp_mode = data_parallel_mode(meshes.dims, dp_config)
+    wrapped = apply_data_parallel(model, meshes, blocks, dp_config, expert_modules=info.get("experts", ()))
+    if not plan.full_init:
+        _init(model, device, config.job.seed)
+
+    autocast = None
+    dtype = _dtype(config)
+    if dtype != torch.float32:
+        if meshes.dims.world_size == 1:
+            autocast = autocast_context(meshes, dp_config, device.type)
+        elif dp_mode == "none":
+            # Tensor parallel alone has no sharding policy to cast parameters: autocast instead.
+            autocast = torch.autocast(device.type, dtype=dtype)
+    return ParallelModel(wrapped, model, dp_mode, autocast, loss_parallel)

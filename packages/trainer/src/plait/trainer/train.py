@@ -1,0 +1,327 @@
+"""One training run: validate -> process group -> meshes -> model -> optimizer -> data -> loop.
+
+The loop keeps everything on the device between log steps: losses and gradient norms are
+recorded as tensors and flushed every `metrics.log_freq` steps (metrics.py), which is also when
+non-finite losses are caught and a SIGTERM is agreed on across ranks.
+"""
+
+import contextlib
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from plait.mesh import build_meshes, clip_grad_norm_, destroy_distributed, grad_norm, init_distributed
+
+from .config import Config, ConfigError, to_toml
+from .lr_scheduler import build_lr_scheduler
+from .metrics import MetricsLogger, peak_tflops
+from .optimizer import build_optimizer
+from .parallelize import parallelize
+from .validate import RunPlan, validate
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or gradient norm became NaN/inf; the message names the step and what to try."""
+
+
+def cross_entropy_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy in fp32 (labels = -100 are ignored)."""
+    return F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten(0, 1))
+
+
+def _set_determinism(config: Config) -> None:
+    torch.manual_seed(config.job.seed)
+    if config.training.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+
+
+class _StopSignal:
+    """SIGTERM sets a flag; the loop finishes its step, writes its metrics and exits 0."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def agreed(self, device: torch.device) -> bool:
+        """Whether any rank was asked to stop (a collective: call on every rank at the same step)."""
+        if not dist.is_initialized():
+            return self.requested
+        flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def restore(self):
+        signal.signal(signal.SIGTERM, self._previous)
+
+
+def _moe_hooks(model, model_args, meshes):
+    """(aux_loss_fn, after_step_fn) for MoE models, (None, None) for dense ones."""
+    try:
+        from plait.models.moe import moe_aux_loss, update_moe_load_balance
+        from plait.models.moe.router import TokenChoiceTopKRouter
+    except ImportError:
+        return None, None
+    if not any(isinstance(m, TokenChoiceTopKRouter) for m in model.modules()):
+        return None, None
+    group = meshes.dp_cp.get_group() if meshes.dp_cp is not None else None
+
+    def reduce_counts(counts):
+        if group is not None:
+            dist.all_reduce(counts, group=group)
+
+    coeff = getattr(model_args, "load_balance_coeff", 0.0)
+
+    def after_step():
+        if coeff:
+            update_moe_load_balance(model, coeff, reduce_counts=reduce_counts)
+
+    aux = moe_aux_loss if getattr(model_args, "aux_loss_coeff", 0.0) else None
+    return aux, after_step
+
+
+def _build_loader(config: Config, plan: RunPlan, meshes, dataset: str, split: str, accumulation: int):
+    from plait.trainer.data import build_dataloader
+
+    t = config.training
+    try:
+        return build_dataloader(
+            dataset=dataset,
+            dataset_path=(config.data.dataset_path or None) if dataset == config.data.dataset else None,
+            tokenizer=plan.tokenizer,
+            seq_len=t.seq_len,
+            local_batch_size=t.local_batch_size,
+            gradient_accumulation_steps=accumulation,
+            dp_rank=meshes.dp_rank,
+            dp_degree=meshes.dp_degree,
+            seed=config.job.seed,
+            split=split,
+            streaming=config.data.streaming,
+            text_field=config.data.text_field,
+        )
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        # Every rank fails the same way here, so no rank is left waiting in a collective.
+        raise ConfigError(f"data.dataset = {dataset!r} ({split}): {e}") from None
+
+
+def _profiler(config: Config, rank: int, device: torch.device):
+    every = config.metrics.profile_interval
+    if not every:
+        return contextlib.nullcontext(None)
+    folder = os.path.join(config.job.dump_folder, "profile")
+    os.makedirs(folder, exist_ok=True)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+
+    def on_ready(prof):
+        prof.export_chrome_trace(os.path.join(folder, f"step{prof.step_num}_rank{rank}.json"))
+
+    # Steps wait ... warmup, then one active step: a trace at steps every, 2*every, ...
+    schedule = torch.profiler.schedule(wait=max(0, every - 2), warmup=min(1, every - 1), active=1)
+    return torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=on_ready)
+
+
+class Trainer:
+    def __init__(self, config: Config):
+        self.config = config
+        self.plan = validate(config)  # before any collective
+        _set_determinism(config)
+        self.dist = init_distributed()
+        self.device = self.dist.device
+        self.rank = self.dist.rank
+        self.meshes = build_meshes(self.plan.dims, self.device.type)
+        self.pm = parallelize(config, self.plan, self.meshes, self.device)
+        self.model = self.pm.model
+        self.optimizer = build_optimizer(self.pm.inner, config.optimizer, self.device)
+        self.scheduler = build_lr_scheduler(self.optimizer, config.training.steps, config.lr_scheduler)
+        self.loader = _build_loader(
+            config, self.plan, self.meshes, config.data.dataset, "train", config.training.gradient_accumulation_steps
+        )
+        self.aux_loss, self.after_step = _moe_hooks(self.pm.inner, self.plan.model_args, self.meshes)
+        self.loss_context = self._loss_context_factory()
+        self.step = 0
+
+    def _loss_context_factory(self):
+        if self.pm.loss_parallel:
+            tp = self.plan.parallel_modules["tp"]
+            return lambda: tp.loss_parallel_context(True)
+        return contextlib.nullcontext
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def train_step(self, micro_batches) -> tuple[torch.Tensor, torch.Tensor]:
+        accumulation = len(micro_batches)
+        step_loss = torch.zeros((), device=self.device)
+        autocast = self.pm.autocast or contextlib.nullcontext()
+        for inputs_BS, labels_BS in micro_batches:
+            inputs_BS = inputs_BS.to(self.device, non_blocking=True)
+            labels_BS = labels_BS.to(self.device, non_blocking=True)
+            with self.loss_context():
+                with autocast:
+                    logits_BSV = self.model(inputs_BS)
+                    loss = cross_entropy_loss(logits_BSV, labels_BS)
+                    total = (loss + self.aux_loss(self.pm.inner)) if self.aux_loss else loss
+                # Each micro-batch's mean scaled by 1/accumulation: the step's gradient is the
+                # mean over the global batch (data parallel averages over ranks).
+                (total / accumulation).backward()
+            detached = loss.detach()
+            if isinstance(detached, DTensor):
+                detached = detached.full_tensor()
+            step_loss += detached / accumulation
+        params = list(self.pm.inner.parameters())
+        max_norm = self.config.training.max_norm
+        norm = clip_grad_norm_(params, max_norm, foreach=True) if max_norm > 0 else grad_norm(params, foreach=True)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        if self.after_step is not None:
+            self.after_step()
+        return step_loss, norm
+
+    @torch.no_grad()
+    def validate_loss(self) -> float:
+        c = self.config
+        loader = _build_loader(c, self.plan, self.meshes, c.data.val_dataset, "validation", 1)
+        total, n = torch.zeros((), device=self.device), 0
+        autocast = self.pm.autocast or contextlib.nullcontext()
+        for micro_batches in loader:
+            for inputs_BS, labels_BS in micro_batches:
+                with self.loss_context(), autocast:
+                    loss = cross_entropy_loss(self.model(inputs_BS.to(self.device)), labels_BS.to(self.device))
+                total += loss.full_tensor() if isinstance(loss, DTensor) else loss
+                n += 1
+            if n >= c.data.val_steps:
+                break
+        if self.meshes.dp_cp is not None:
+            dist.all_reduce(total, group=self.meshes.dp_cp.get_group())
+            total /= self.meshes.dp_cp.size()
+        return total.item() / max(1, n)
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def _metrics(self) -> MetricsLogger:
+        c = self.config
+        t = c.training
+        dtype = torch.bfloat16 if t.dtype == "bfloat16" else torch.float32
+        # Under tp/cp a rank's share of each sequence is 1/(tp*cp): per-rank throughput counts that
+        # share (as FLOPs do), and global throughput = per rank x world size = tokens of the global batch.
+        share = self.plan.dims.tp * self.plan.dims.cp
+        tokens_per_rank = t.local_batch_size * t.gradient_accumulation_steps * t.seq_len / share
+        return MetricsLogger(
+            dump_folder=c.job.dump_folder,
+            rank=self.rank,
+            world_size=self.plan.dims.world_size,
+            device=self.device,
+            loss_mesh=self.meshes.dp_cp,
+            tokens_per_step_per_rank=tokens_per_rank,
+            flops_per_token=self.pm.inner.flops_per_token(t.seq_len),
+            peak_tflops_per_rank=peak_tflops(self.device, dtype, c.metrics.cpu_peak_tflops),
+            tensorboard=c.metrics.tensorboard,
+            total_steps=t.steps,
+            progress_bar=c.metrics.progress_bar,
+        )
+
+    def _check_finite(self, rows: list[dict]) -> None:
+        for row in rows:
+            for key in ("loss", "grad_norm"):
+                value = row[key]
+                if value != value or value in (float("inf"), float("-inf")):
+                    raise TrainingDiverged(
+                        f"{key} is {value} at step {row['step']}: the run diverged. Try a lower optimizer.lr, "
+                        "more lr_scheduler.warmup_steps, a smaller training.max_norm, or training.dtype = float32."
+                    )
+
+    def train(self) -> None:
+        c = self.config
+        if self.rank == 0:
+            n_params = sum(p.numel() for p in self.plan.model.parameters())
+            print(
+                f"plait-train: {c.model.name} {c.model.flavor} ({n_params / 1e6:.1f}M params) on "
+                f"{self.plan.dims.world_size} x {self.device.type}, {self.plan.dims}, dp mode {self.pm.dp_mode}, "
+                f"dtype {c.training.dtype}, {torch.get_num_threads()} threads/rank, global batch "
+                f"{c.training.local_batch_size * c.training.gradient_accumulation_steps * self.plan.dims.dp} x "
+                f"{c.training.seq_len} tokens",
+                flush=True,
+            )
+            if c.checkpoint.interval:
+                print(
+                    f"plait-train: checkpoint.interval = {c.checkpoint.interval}: checkpoint saving is not part of this "
+                    "release yet; no checkpoints are written.",
+                    flush=True,
+                )
+            if c.job.description:
+                print(f"plait-train: {c.job.description}", flush=True)
+            os.makedirs(c.job.dump_folder, exist_ok=True)
+            with open(os.path.join(c.job.dump_folder, "config.toml"), "w") as f:
+                f.write(to_toml(c))
+        metrics = self._metrics()
+        stop = _StopSignal()
+        data_iter = iter(self.loader)
+        start = time.perf_counter()
+        first_loss = last_loss = None
+        try:
+            with _profiler(c, self.rank, self.device) as prof:
+                while self.step < c.training.steps:
+                    self.step += 1
+                    t0 = time.perf_counter()
+                    try:
+                        micro_batches = next(data_iter)
+                    except StopIteration:
+                        raise ConfigError(
+                            f"data.dataset = {c.data.dataset!r} ran out of batches at step {self.step}."
+                        ) from None
+                    data_s = time.perf_counter() - t0
+                    lr = self.scheduler.get_last_lr()[0]
+                    loss, norm = self.train_step(micro_batches)
+                    metrics.record(self.step, loss, norm, lr, data_s)
+                    if prof is not None:
+                        prof.step()
+                    last = self.step == c.training.steps
+                    log_now = self.step % c.metrics.log_freq == 0 or last
+                    # Agreeing on a stop is a collective with a host sync: every step on CPU (cheap),
+                    # only at log steps on GPU.
+                    stop_now = not last and (log_now or self.device.type == "cpu") and stop.agreed(self.device)
+                    if log_now or stop_now:
+                        rows = metrics.flush()
+                        first_loss = rows[0]["loss"] if first_loss is None else first_loss
+                        last_loss = rows[-1]["loss"]
+                        self._check_finite(rows)
+                    if stop_now:
+                        if self.rank == 0:
+                            print(f"plait-train: SIGTERM, stopped after step {self.step}.", flush=True)
+                        break
+                    if c.data.val_interval and (self.step % c.data.val_interval == 0 or last):
+                        t_val = time.perf_counter()
+                        metrics.log_scalars(self.step, {"val_loss": self.validate_loss()})
+                        metrics.exclude(time.perf_counter() - t_val)  # not training throughput
+        finally:
+            if not dist.is_initialized():
+                # After an error, write what was recorded (alone: other ranks may not reach a collective).
+                with contextlib.suppress(Exception):
+                    metrics.flush()
+            metrics.close()
+            stop.restore()
+        if self.rank == 0:
+            print(
+                f"plait-train: {self.step} steps in {time.perf_counter() - start:.1f} s, loss {first_loss:.4f} -> "
+                f"{last_loss:.4f}; metrics in {os.path.join(c.job.dump_folder, 'metrics.jsonl')}",
+                flush=True,
+            )
+
+
+def run(config: Config) -> None:
+    try:
+        Trainer(config).train()
+    finally:
+        destroy_distributed()

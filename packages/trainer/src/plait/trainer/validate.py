@@ -1,0 +1,218 @@
+"""Every check that can fail a run, made before the first collective, each as one-line ConfigError.
+
+A bad setting then stops every rank at once with a message naming the setting, instead of one
+rank raising while the others hang in a collective.
+"""
+
+import difflib
+import importlib
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.mesh import ParallelConfigError, ParallelDims
+
+from .config import Config, ConfigError
+
+# Parallelisms that live in optional packages: degree field -> (import name, pip name, entry point).
+OPTIONAL_PARALLEL = {
+    "tp": ("plait.tensorparallel", "plait-tensorparallel", "apply_tensor_parallel"),
+    "cp": ("plait.contextparallel", "plait-contextparallel", "apply_context_parallel"),
+    "ep": ("plait.expertparallel", "plait-expertparallel", "apply_expert_parallel"),
+}
+
+# The full model is materialised on every rank before sharding (init = auto) below this size.
+FULL_INIT_MAX_BYTES = 8 * 2**30
+
+
+@dataclass
+class RunPlan:
+    """What validation established: the degrees, the model (on meta), its metadata, the tokenizer."""
+
+    dims: ParallelDims
+    model_args: Any
+    model: nn.Module  # on the meta device
+    info: dict
+    tokenizer: Any
+    full_init: bool
+    parallel_modules: dict  # "tp"/"cp"/"ep" -> imported module, for the degrees > 1
+
+
+def optional_parallel_module(axis: str, degree: int):
+    """Import the package that implements `axis`, or a ConfigError naming what to install."""
+    module_name, pip_name, entry = OPTIONAL_PARALLEL[axis]
+    try:
+        found = importlib.util.find_spec(module_name) is not None
+    except ModuleNotFoundError:
+        found = False
+    if not found:
+        raise ConfigError(f"parallelism.{axis} = {degree} needs {pip_name}: pip install {pip_name}.")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # a broken install must not crash with a traceback here
+        raise ConfigError(
+            f"parallelism.{axis} = {degree}: importing {module_name} failed ({e}); reinstall {pip_name}."
+        ) from None
+    if not hasattr(module, entry):
+        version = getattr(module, "__version__", "?")
+        raise ConfigError(
+            f"parallelism.{axis} = {degree} needs {entry} from {pip_name}, which the installed version ({version}) "
+            f"lacks: install {pip_name} with it (pip install -U {pip_name}), or set "
+            f"parallelism.{axis} = 1."
+        )
+    return module
+
+
+def _check_positive(config: Config) -> None:
+    checks = {
+        "training.steps": config.training.steps,
+        "training.local_batch_size": config.training.local_batch_size,
+        "training.seq_len": config.training.seq_len,
+        "training.gradient_accumulation_steps": config.training.gradient_accumulation_steps,
+        "training.activation_checkpoint_every": config.training.activation_checkpoint_every,
+        "metrics.log_freq": config.metrics.log_freq,
+        "data.val_steps": config.data.val_steps,
+    }
+    for key, value in checks.items():
+        if value < 1:
+            raise ConfigError(f"{key} = {value}: must be >= 1.")
+    nonneg = {
+        "optimizer.lr": config.optimizer.lr,
+        "optimizer.weight_decay": config.optimizer.weight_decay,
+        "optimizer.eps": config.optimizer.eps,
+        "training.max_norm": config.training.max_norm,
+        "lr_scheduler.warmup_steps": config.lr_scheduler.warmup_steps,
+        "data.val_interval": config.data.val_interval,
+        "metrics.profile_interval": config.metrics.profile_interval,
+        "checkpoint.interval": config.checkpoint.interval,
+        "checkpoint.keep_last": config.checkpoint.keep_last,
+        "metrics.cpu_peak_tflops": config.metrics.cpu_peak_tflops,
+    }
+    for key, value in nonneg.items():
+        if value < 0:
+            raise ConfigError(f"{key} = {value}: must be >= 0.")
+    for i, beta in enumerate(config.optimizer.betas):
+        if not 0.0 <= beta < 1.0:
+            raise ConfigError(f"optimizer.betas[{i}] = {beta}: must be in [0, 1).")
+    if not 0.0 <= config.lr_scheduler.min_lr_ratio <= 1.0:
+        raise ConfigError(f"lr_scheduler.min_lr_ratio = {config.lr_scheduler.min_lr_ratio}: must be in [0, 1].")
+    if not 0.0 < config.lr_scheduler.decay_ratio <= 1.0:
+        raise ConfigError(f"lr_scheduler.decay_ratio = {config.lr_scheduler.decay_ratio}: must be in (0, 1].")
+    if config.data.val_interval and not config.data.val_dataset:
+        raise ConfigError("data.val_interval is set but data.val_dataset is empty: name a validation dataset.")
+
+
+def _model_spec(config: Config):
+    from plait.models import get_model_spec, list_models
+
+    try:
+        spec = get_model_spec(config.model.name)
+    except KeyError:
+        raise ConfigError(f"model.name = {config.model.name!r}: known models are {', '.join(list_models())}.") from None
+    except ImportError as e:
+        raise ConfigError(f"model.name = {config.model.name!r} cannot be imported ({e}).") from None
+    if config.model.flavor not in spec.flavors:
+        close = difflib.get_close_matches(config.model.flavor, list(spec.flavors), n=1, cutoff=0.4)
+        hint = f" Did you mean {close[0]}?" if close else ""
+        raise ConfigError(
+            f"model.flavor = {config.model.flavor!r} is not a {config.model.name} flavor "
+            f"({', '.join(spec.flavors)}).{hint}"
+        )
+    return spec
+
+
+def _parallel_dims(config: Config, world_size: int) -> ParallelDims:
+    p = config.parallelism
+    try:
+        return ParallelDims(
+            dp_replicate=p.dp_replicate,
+            dp_shard=p.dp_shard,
+            cp=p.cp,
+            tp=p.tp,
+            ep=p.ep,
+            etp=p.etp,
+            world_size=world_size,
+        )
+    except ParallelConfigError as e:
+        raise ConfigError(str(e)) from None
+
+
+def validate(config: Config, world_size: int | None = None) -> RunPlan:
+    """Check the whole configuration locally (no collective); raise ConfigError on the first problem."""
+    world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
+    _check_positive(config)
+    dims = _parallel_dims(config, world_size)
+
+    # Optional parallel packages, before anything is built with them.
+    parallel_modules = {}
+    for axis in ("tp", "cp", "ep"):
+        degree = getattr(dims, axis)
+        if degree > 1:
+            parallel_modules[axis] = optional_parallel_module(axis, degree)
+
+    spec = _model_spec(config)
+    model_args = spec.flavors[config.model.flavor]
+    seq_len, max_seq_len = config.training.seq_len, model_args.max_seq_len
+    if seq_len > max_seq_len:
+        raise ConfigError(
+            f"training.seq_len = {seq_len} is longer than {config.model.name} {config.model.flavor}'s max_seq_len = "
+            f"{max_seq_len} (seq_len not matching the model): lower training.seq_len."
+        )
+
+    from plait.trainer.data import build_tokenizer
+
+    try:
+        tokenizer = build_tokenizer(config.model.tokenizer_path or None)
+    except FileNotFoundError:
+        raise ConfigError(f"model.tokenizer_path: tokenizer file not found: {config.model.tokenizer_path}") from None
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"model.tokenizer_path = {config.model.tokenizer_path!r}: {e}") from None
+    if tokenizer.n_words > model_args.vocab_size:
+        raise ConfigError(
+            f"the tokenizer has {tokenizer.n_words} tokens but {config.model.name} {config.model.flavor} has "
+            f"vocab_size = {model_args.vocab_size}: use a tokenizer that fits the model (model.tokenizer_path)."
+        )
+
+    with torch.device("meta"):
+        model = spec.model_cls(model_args)
+    info = model.parallel_info()
+    if dims.ep > 1 and not info.get("experts"):
+        raise ConfigError(
+            f"parallelism.ep = {dims.ep} but {config.model.name} {config.model.flavor} has no routed experts: set ep = 1."
+        )
+    if dims.tp > 1:
+        _validate_tp(parallel_modules["tp"], model, info, dims, config)
+
+    n_bytes = sum(p.numel() for p in model.parameters()) * 4
+    full_init = config.model.init == "full" or (config.model.init == "auto" and n_bytes <= FULL_INIT_MAX_BYTES)
+
+    if config.training.compile and not _has_compiler():
+        raise ConfigError("training.compile = true needs a C++ compiler on CPU (or triton on GPU); none was found.")
+    return RunPlan(dims, model_args, model, info, tokenizer, full_init, parallel_modules)
+
+
+def _validate_tp(tp_module, model: nn.Module, info: dict, dims: ParallelDims, config: Config) -> None:
+    try:
+        tp_module.validate_tensor_parallel(info, dims.tp, config.training.seq_len, tp_config(tp_module, config))
+    except ValueError as e:  # TensorParallelConfigError and ParallelConfigError are ValueErrors
+        raise ConfigError(str(e).splitlines()[0]) from None
+
+
+def tp_config(tp_module, config: Config):
+    """plait.tensorparallel's config from the [parallelism] section."""
+    p = config.parallelism
+    return tp_module.TensorParallelConfig(
+        sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel, async_tp=p.async_tp
+    )
+
+
+def _has_compiler() -> bool:
+    if torch.cuda.is_available():
+        return importlib.util.find_spec("triton") is not None
+    import shutil
+
+    return any(shutil.which(cc) for cc in ("g++", "c++", "clang++"))
