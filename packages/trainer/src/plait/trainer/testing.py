@@ -1,0 +1,38 @@
+"""Helpers for tests that run `plait-train` end to end in a subprocess and read its metrics."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def cli_env() -> dict[str, str]:
+    # Passive OpenMP waiting: on a shared CI box, spinning threads would starve each other.
+    return dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
+
+
+def run_cli(dump: Path, *args: str, timeout: float = 180, check: bool = True) -> subprocess.CompletedProcess:
+    """`python -m plait.trainer --job.dump_folder DUMP ARGS...`; with `check`, a non-zero exit fails
+    with the tail of the run's output."""
+    result = subprocess.run(
+        [sys.executable, "-m", "plait.trainer", "--job.dump_folder", str(dump), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=cli_env(),
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(
+            f"plait-train exited {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        )
+    return result
+
+
+def read_metrics(dump: Path) -> list[dict]:
+    """One dict per line of `<dump>/metrics.jsonl`."""
+    return [json.loads(line) for line in (Path(dump) / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(dump: Path) -> list[float]:
+    return [row["loss"] for row in read_metrics(dump)]
