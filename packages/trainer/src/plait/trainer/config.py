@@ -164,12 +164,36 @@ class LRSchedulerConfig:
 
 @dataclass
 class CheckpointConfig:
-    folder: str = "checkpoint"
-    """Checkpoint folder, relative to job.dump_folder. (Saving arrives in a later release.)"""
+    enable: bool = False
+    """Save distributed checkpoints (torch DCP: model, optimizer, LR schedule, data position, RNG,
+    step) every `interval` steps, at the end and on SIGTERM, and resume from the newest complete
+    one in `folder` when the run starts."""
+    folder: str = "checkpoints"
+    """Checkpoint folder, relative to job.dump_folder (or absolute). Holds step-NNNNNN/ folders."""
     interval: int = 0
-    """Save every this many steps (0: never)."""
+    """With enable: save every this many steps (0: only at the end of training)."""
     keep_last: int = 0
     """Keep only this many most recent checkpoints (0: keep all)."""
+    async_mode: Literal["disabled", "async"] = "disabled"
+    """async: copy the state to CPU memory and write it from a background thread while training
+    goes on (dcp.async_save on its own gloo group; one save in flight, the final save is synchronous)."""
+    load_step: int = -1
+    """Resume from step-<load_step> (-1: the newest complete checkpoint, skipping incomplete ones
+    with a warning). A requested checkpoint that is missing or incomplete is an error."""
+    create_seed_checkpoint: bool = False
+    """Initialise the model on one process, save it (model only) as <folder>/step-000000 and exit.
+    Runs on any layout then start from those weights (auto-resume, or initial_load_path)."""
+    initial_load_path: str = ""
+    """A new run (nothing to resume in folder) starts from these weights: a checkpoint folder (model
+    only; training starts at step 1), or a Hugging Face folder with initial_load_hf."""
+    initial_load_hf: bool = False
+    """initial_load_path is a Hugging Face folder (config.json + safetensors), read through the
+    model's plait.models HF adapter."""
+    last_save_in_hf: bool = False
+    """At the end of training also export the model as Hugging Face safetensors (export_dtype)
+    to <folder>/hf-step-NNNNNN."""
+    export_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    """dtype of Hugging Face exports (last_save_in_hf)."""
 
 
 @dataclass

@@ -57,6 +57,24 @@ def memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # ru_maxrss is KiB on Linux
 
 
+def _open_jsonl(path: str, start_step: int):
+    """metrics.jsonl for writing. A run resumed after `start_step` keeps the rows of steps up to
+    it and drops later ones (written after that checkpoint by the run that died), then appends."""
+    kept = []
+    if start_step > 0 and os.path.isfile(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    if json.loads(line)["step"] <= start_step:
+                        kept.append(line if line.endswith("\n") else line + "\n")
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line cut short by a kill
+    jsonl = open(path, "w")
+    jsonl.writelines(kept)
+    jsonl.flush()
+    return jsonl
+
+
 @dataclass
 class _Window:
     steps: list[int] = field(default_factory=list)
@@ -84,6 +102,7 @@ class MetricsLogger:
         tensorboard: bool,
         total_steps: int,
         progress_bar: bool,
+        start_step: int = 0,
     ):
         self.rank = rank
         self.world_size = world_size
@@ -99,7 +118,7 @@ class MetricsLogger:
         self.bar = None
         if rank == 0:
             Path(dump_folder).mkdir(parents=True, exist_ok=True)
-            self.jsonl = open(os.path.join(dump_folder, "metrics.jsonl"), "w")
+            self.jsonl = _open_jsonl(os.path.join(dump_folder, "metrics.jsonl"), start_step)
             if tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -107,7 +126,7 @@ class MetricsLogger:
             if progress_bar and sys.stderr.isatty():  # a bar in a log file is noise: plain lines there
                 from tqdm import tqdm
 
-                self.bar = tqdm(total=total_steps, desc="train", dynamic_ncols=True, leave=False)
+                self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True, leave=False)
 
     def record(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, data_s: float) -> None:
         """Keep one step's values (device tensors, no sync)."""

@@ -1,4 +1,4 @@
-"""One training run: validate -> process group -> meshes -> model -> optimizer -> data -> loop.
+"""One training run: validate -> process group -> meshes -> model -> optimizer -> data -> resume -> loop.
 
 The loop keeps everything on the device between log steps: losses and gradient norms are
 recorded as tensors and flushed every `metrics.log_freq` steps (metrics.py), which is also when
@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from plait.mesh import build_meshes, clip_grad_norm_, destroy_distributed, grad_norm, init_distributed
 
+from .checkpoint import CheckpointManager
 from .config import Config, ConfigError, to_toml
 from .lr_scheduler import build_lr_scheduler
 from .metrics import MetricsLogger, peak_tflops
@@ -150,7 +151,10 @@ class Trainer:
         )
         self.aux_loss, self.after_step = _moe_hooks(self.pm.inner, self.plan.model_args, self.meshes)
         self.loss_context = self._loss_context_factory()
-        self.step = 0
+        self.checkpointer = CheckpointManager(
+            config, self.plan.dims, self.pm.inner, self.optimizer, self.scheduler, self.loader, self.rank
+        )
+        self.step = self.checkpointer.load()  # the last completed step: 0, or a resumed checkpoint's
 
     def _loss_context_factory(self):
         if self.pm.loss_parallel:
@@ -230,6 +234,7 @@ class Trainer:
             tensorboard=c.metrics.tensorboard,
             total_steps=t.steps,
             progress_bar=c.metrics.progress_bar,
+            start_step=self.step,
         )
 
     def _check_finite(self, rows: list[dict]) -> None:
@@ -254,21 +259,20 @@ class Trainer:
                 f"{c.training.seq_len} tokens",
                 flush=True,
             )
-            if c.checkpoint.interval:
-                print(
-                    f"plait-train: checkpoint.interval = {c.checkpoint.interval}: checkpoint saving is not part of this "
-                    "release yet; no checkpoints are written.",
-                    flush=True,
-                )
             if c.job.description:
                 print(f"plait-train: {c.job.description}", flush=True)
             os.makedirs(c.job.dump_folder, exist_ok=True)
             with open(os.path.join(c.job.dump_folder, "config.toml"), "w") as f:
                 f.write(to_toml(c))
+        if c.checkpoint.create_seed_checkpoint:
+            path = self.checkpointer.save_seed()
+            if self.rank == 0:
+                print(f"plait-train: seed checkpoint {path} written; start runs from it.", flush=True)
+            return
         metrics = self._metrics()
         stop = _StopSignal()
         data_iter = iter(self.loader)
-        start = time.perf_counter()
+        start, start_step = time.perf_counter(), self.step
         first_loss = last_loss = None
         try:
             with _profiler(c, self.rank, self.device) as prof:
@@ -297,6 +301,7 @@ class Trainer:
                         first_loss = rows[0]["loss"] if first_loss is None else first_loss
                         last_loss = rows[-1]["loss"]
                         self._check_finite(rows)
+                    self.checkpointer.after_step(self.step, last=last, stopping=stop_now)
                     if stop_now:
                         if self.rank == 0:
                             print(f"plait-train: SIGTERM, stopped after step {self.step}.", flush=True)
@@ -305,6 +310,7 @@ class Trainer:
                         t_val = time.perf_counter()
                         metrics.log_scalars(self.step, {"val_loss": self.validate_loss()})
                         metrics.exclude(time.perf_counter() - t_val)  # not training throughput
+            self.checkpointer.close()
         finally:
             if not dist.is_initialized():
                 # After an error, write what was recorded (alone: other ranks may not reach a collective).
@@ -312,9 +318,12 @@ class Trainer:
                     metrics.flush()
             metrics.close()
             stop.restore()
-        if self.rank == 0:
+        if self.rank == 0 and first_loss is None:
+            print(f"plait-train: already at step {self.step} of {c.training.steps}; nothing to train.", flush=True)
+        elif self.rank == 0:
             print(
-                f"plait-train: {self.step} steps in {time.perf_counter() - start:.1f} s, loss {first_loss:.4f} -> "
+                f"plait-train: {self.step - start_step} steps in {time.perf_counter() - start:.1f} s"
+                f"{f' (steps {start_step + 1}-{self.step})' if start_step else ''}, loss {first_loss:.4f} -> "
                 f"{last_loss:.4f}; metrics in {os.path.join(c.job.dump_folder, 'metrics.jsonl')}",
                 flush=True,
             )

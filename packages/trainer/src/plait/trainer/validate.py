@@ -106,6 +106,29 @@ def _check_positive(config: Config) -> None:
         raise ConfigError("data.val_interval is set but data.val_dataset is empty: name a validation dataset.")
 
 
+def _check_checkpoint(config: Config, world_size: int) -> None:
+    c = config.checkpoint
+    if c.load_step < -1:
+        raise ConfigError(f"checkpoint.load_step = {c.load_step}: use a saved step, or -1 for the newest checkpoint.")
+    if c.create_seed_checkpoint and world_size > 1:
+        raise ConfigError(
+            f"checkpoint.create_seed_checkpoint = true runs on one process, not {world_size}: drop --nproc-per-node "
+            "(runs on any layout then start from the seed)."
+        )
+    if not c.enable:
+        for key, value, default in (("interval", c.interval, 0), ("load_step", c.load_step, -1),
+                                    ("last_save_in_hf", c.last_save_in_hf, False)):
+            if value != default:
+                raise ConfigError(
+                    f"checkpoint.{key} = {value} but checkpoint.enable = false: set checkpoint.enable = true "
+                    "to save and resume checkpoints."
+                )
+    if c.initial_load_hf and not c.initial_load_path:
+        raise ConfigError("checkpoint.initial_load_hf = true needs checkpoint.initial_load_path (a Hugging Face folder).")
+    if c.initial_load_path and not os.path.isdir(c.initial_load_path):
+        raise ConfigError(f"checkpoint.initial_load_path = {c.initial_load_path!r}: no such folder.")
+
+
 def _model_spec(config: Config):
     from plait.models import get_model_spec, list_models
 
@@ -154,6 +177,7 @@ def validate(config: Config, world_size: int | None = None) -> RunPlan:
         if degree > 1:
             parallel_modules[axis] = optional_parallel_module(axis, degree)
 
+    _check_checkpoint(config, world_size)
     spec = _model_spec(config)
     model_args = spec.flavors[config.model.flavor]
     seq_len, max_seq_len = config.training.seq_len, model_args.max_seq_len

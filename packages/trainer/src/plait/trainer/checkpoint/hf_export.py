@@ -1,0 +1,135 @@
+"""Checkpoints <-> Hugging Face safetensors, through plait-models' adapters.
+
+    python -m plait.trainer.checkpoint.hf_export --checkpoint outputs/run/checkpoints/step-000020 \\
+        --output hf/ [--dtype bfloat16] [--model llama3 --flavor debugmodel]
+
+reads the model part of a DCP checkpoint in this one process (no process group; DCP assembles
+the full tensors from whatever layout saved them), converts it with the model's `to_hf` and
+writes `config.json` + safetensors that `transformers` loads. The model and flavor default to
+those recorded in the checkpoint's marker. The trainer uses the same functions for
+`checkpoint.last_save_in_hf` and for starting a run from HF weights (`initial_load_hf`).
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from . import store
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _spec_and_args(model: str, flavor: str):
+    from plait.models import get_model_spec
+
+    spec = get_model_spec(model)
+    if flavor not in spec.flavors:
+        raise store.CheckpointError(f"{model} has no flavor {flavor!r} (flavors: {', '.join(spec.flavors)})")
+    return spec, spec.flavors[flavor]
+
+
+def read_model_state(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """The full model state dict of a checkpoint (CPU tensors, as saved) and its marker metadata."""
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    meta = store.check(path)
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    prefix = "model."
+    template = {
+        key[len(prefix) :]: torch.empty(tuple(item.size), dtype=item.properties.dtype)
+        for key, item in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and hasattr(item, "size")
+    }
+    if not template:
+        raise store.CheckpointError(f"checkpoint {path} holds no model weights")
+    state = {"model": template}
+    with store.single_process_quiet():
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return state["model"], meta
+
+
+def export(
+    state_dict: dict[str, torch.Tensor], model: str, flavor: str, output: str | Path, dtype: torch.dtype
+) -> Path:
+    """Write `state_dict` (plait names, full tensors) as a Hugging Face folder, atomically."""
+    from plait.models.hf.convert import check_matches_model
+    from plait.models.hf.io import save_safetensors
+
+    spec, args = _spec_and_args(model, flavor)
+    check_matches_model(state_dict, spec.model_cls, args)
+    output = Path(output)
+    tmp = output.with_name(output.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_safetensors(spec.hf_adapter.to_hf(state_dict, args), tmp, dtype=dtype)
+    config = spec.hf_adapter.hf_config(args)
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if output.exists():
+        shutil.rmtree(output)
+    os.replace(tmp, output)
+    return output
+
+
+def read_hf_state(path: str | Path, model: str, flavor: str) -> dict[str, torch.Tensor]:
+    """A Hugging Face folder's weights as a plait state dict for `model` `flavor` (full tensors)."""
+    from plait.models.hf.convert import check_matches_model
+    from plait.models.hf.io import load_safetensors
+
+    path = Path(path)
+    spec, args = _spec_and_args(model, flavor)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise store.CheckpointError(
+            f"checkpoint.initial_load_path = {str(path)!r} has no config.json: not a Hugging Face folder"
+        )
+    hf_args = spec.hf_adapter.args_from_hf_config(json.loads(config_file.read_text()))
+    # max_seq_len only sizes the RoPE tables; every other size must be the flavor's.
+    if dataclasses.replace(hf_args, max_seq_len=args.max_seq_len, depth_init=args.depth_init) != args:
+        raise store.CheckpointError(
+            f"checkpoint.initial_load_path = {str(path)!r} is not {model} {flavor}: {hf_args} != {args}; "
+            "set model.flavor to match it"
+        )
+    try:
+        state_dict = spec.hf_adapter.from_hf(load_safetensors(path), args)
+        check_matches_model(state_dict, spec.model_cls, args)
+    except (FileNotFoundError, KeyError, ValueError) as e:
+        raise store.CheckpointError(f"checkpoint.initial_load_path = {str(path)!r}: {str(e).splitlines()[0]}") from None
+    return state_dict
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m plait.trainer.checkpoint.hf_export",
+        description="Export a plait checkpoint (DCP, any layout) to Hugging Face safetensors.",
+    )
+    parser.add_argument("--checkpoint", required=True, help="a step-NNNNNN checkpoint folder")
+    parser.add_argument("--output", required=True, help="the Hugging Face folder to write")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--model", help="model name (default: the one recorded in the checkpoint)")
+    parser.add_argument("--flavor", help="model flavor (default: the one recorded in the checkpoint)")
+    args = parser.parse_args(argv)
+    try:
+        state_dict, meta = read_model_state(args.checkpoint)
+        model = args.model or meta.get("model")
+        flavor = args.flavor or meta.get("flavor")
+        if not model or not flavor:
+            raise store.CheckpointError(
+                f"checkpoint {args.checkpoint} does not record its model: pass --model and --flavor"
+            )
+        out = export(state_dict, model, flavor, args.output, DTYPES[args.dtype])
+    except (store.CheckpointError, ValueError, KeyError) as e:
+        print(f"hf_export: error: {e}", file=sys.stderr)
+        return 2
+    print(f"hf_export: wrote {out} ({model} {flavor}, step {meta['step']}, {args.dtype})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

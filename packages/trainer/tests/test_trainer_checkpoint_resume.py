@@ -1,0 +1,183 @@
+"""Checkpoints under real processes and real signals: SIGKILL after a save, SIGKILL in the middle of
+a save, corrupt checkpoints, resuming on another layout.
+
+Every run trains the debug model on the shipped corpus, fp32 and deterministic, with a global
+batch of 2 sequences of 64 tokens (4 for the resharding test), checkpointing every 5 steps. A
+resumed run must reproduce the uninterrupted run's per-step losses exactly (`==`) on the same
+layout, and within 1e-5 on another.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+STEPS = 20
+# fmt: off
+COMMON = [
+    "--training.steps", str(STEPS),
+    "--training.seq_len", "64",
+    "--training.dtype", "float32",
+    "--training.deterministic", "true",
+    "--lr_scheduler.warmup_steps", "2",
+    "--optimizer.lr", "3e-3",
+    "--metrics.log_freq", "5",
+    "--metrics.cpu_peak_tflops", "0.1",
+    "--metrics.tensorboard", "false",
+    "--checkpoint.enable", "true",
+    "--checkpoint.interval", "5",
+]
+# fmt: on
+LAYOUTS = {1: ["--training.local_batch_size", "2"], 2: ["--nproc-per-node", "2", "--training.local_batch_size", "1"]}
+
+
+def run(dump: Path, *args, env=None, expect=0, timeout=240) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        [sys.executable, "-m", "plait.trainer", *COMMON, "--job.dump_folder", str(dump), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1", **(env or {})),
+    )
+    if expect is not None:
+        assert result.returncode == expect, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def losses(dump: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    steps = [row["step"] for row in rows]
+    assert steps == sorted(set(steps)), f"steps recorded twice or out of order: {steps}"
+    return {row["step"]: row["loss"] for row in rows}
+
+
+def complete_steps(folder: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in folder.glob("step-*") if (p / ".complete").is_file())
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """Uninterrupted 20-step runs: 1 rank (sync saves) and 2 ranks FSDP (async saves, keep_last 2)."""
+    dumps = {}
+    dumps[1] = tmp_path_factory.mktemp("straight1")
+    run(dumps[1], *LAYOUTS[1])
+    dumps[2] = tmp_path_factory.mktemp("straight2")
+    result = run(dumps[2], *LAYOUTS[2], "--checkpoint.async_mode", "async", "--checkpoint.keep_last", "2")
+    assert "writing in the background" in result.stdout
+    return dumps
+
+
+def test_async_saves_are_published_and_pruned(straight):
+    folder = straight[2] / "checkpoints"
+    assert complete_steps(folder) == [15, 20]  # keep_last = 2
+    assert not list(folder.glob("*.tmp-*"))
+    marker = json.loads((folder / "step-000020" / ".complete").read_text())
+    assert marker["step"] == 20 and marker["world_size"] == 2 and marker["layout"]["dp_shard"] == 2
+    assert {"rng-rank00000.pt", "rng-rank00001.pt", ".metadata"} <= marker["files"].keys()
+
+
+@pytest.mark.parametrize(
+    "nproc, hook, killed_at",
+    [
+        (1, "PLAIT_TEST_KILL_AFTER_SAVE", 10),  # SIGKILL right after step-000010 is published
+        (2, "PLAIT_TEST_KILL_DURING_SAVE", 15),  # SIGKILL with step 15's files written, no marker
+    ],
+)
+def test_sigkill_then_resume_reproduces_the_uninterrupted_run(straight, tmp_path, nproc, hook, killed_at):
+    dump = tmp_path / "killed"
+    result = run(dump, *LAYOUTS[nproc], env={hook: str(killed_at)}, expect=None)
+    assert result.returncode != 0  # killed (-9 for one process, the launcher's failure for two)
+    folder = dump / "checkpoints"
+    assert complete_steps(folder) == [5, 10]
+    partial = list(folder.glob("step-000015.tmp-*"))
+    assert bool(partial) == (hook == "PLAIT_TEST_KILL_DURING_SAVE")
+    if partial:
+        assert (partial[0] / ".metadata").is_file() and not (partial[0] / ".complete").exists()
+
+    result = run(dump, *LAYOUTS[nproc])  # the same command
+    assert "resuming from" in result.stdout and "step-000010 (step 10, same layout, RNG restored)" in result.stdout
+    assert not list(folder.glob("*.tmp-*"))  # the dead save's folder was removed, never used
+    resumed, expected = losses(dump), losses(straight[nproc])
+    assert sorted(resumed) == list(range(1, STEPS + 1))  # the killed run's steps, then 11..20
+    for step in range(11, STEPS + 1):
+        assert resumed[step] == expected[step], f"step {step}: {resumed[step]} != {expected[step]}"
+    assert complete_steps(folder) == [5, 10, 15, 20]
+
+
+def test_corrupt_newest_checkpoint_is_skipped_on_auto_resume(straight, tmp_path):
+    dump = tmp_path / "corrupt"
+    shutil.copytree(straight[1] / "checkpoints", dump / "checkpoints")
+    (dump / "checkpoints" / "step-000020" / "__0_0.distcp").unlink()
+    (dump / "checkpoints" / "step-000015" / ".complete").unlink()
+    result = run(dump, *LAYOUTS[1])
+    out = result.stdout
+    assert (
+        "warning: checkpoint: skipping checkpoint" in out and "step-000020 is corrupt: __0_0.distcp is missing" in out
+    )
+    assert "step-000015 is incomplete: no .complete marker" in out
+    assert "resuming from" in out and "step-000010 (step 10" in out
+    resumed, expected = losses(dump), losses(straight[1])
+    assert [resumed[s] for s in range(11, STEPS + 1)] == [expected[s] for s in range(11, STEPS + 1)]
+
+
+def test_requested_corrupt_or_missing_checkpoint_is_a_clear_error(straight, tmp_path):
+    dump = tmp_path / "requested"
+    shutil.copytree(straight[1] / "checkpoints", dump / "checkpoints")
+    with open(dump / "checkpoints" / "step-000010" / "__0_0.distcp", "r+b") as f:
+        f.truncate(100)
+    result = run(dump, *LAYOUTS[1], "--checkpoint.load_step", "10", expect=2)
+    assert "step-000010 is corrupt: __0_0.distcp has 100 bytes" in result.stderr
+    assert "checkpoint.load_step = 10" in result.stderr and "Traceback" not in result.stderr
+    result = run(dump, *LAYOUTS[1], "--checkpoint.load_step", "7", expect=2)
+    assert "checkpoint.load_step = 7: there is no" in result.stderr and "5, 10, 15, 20" in result.stderr
+
+
+def test_resume_on_other_layouts_continues_the_run(tmp_path):
+    """4 ranks FSDP (local batch 1) saves at step 6; 2 ranks FSDP (local batch 2) and 2 ranks TP
+    (local batch 4) resume it with the same global batch: losses within 1e-5 of the 4-rank run."""
+    steps = ["--training.steps", "12", "--checkpoint.interval", "6"]
+    four = tmp_path / "four"
+    run(four, *steps, "--nproc-per-node", "4", "--training.local_batch_size", "1", timeout=300)
+    expected = losses(four)
+    layouts = {"fsdp2": ["--training.local_batch_size", "2"]}
+    try:
+        import plait.tensorparallel  # noqa: F401
+
+        layouts["tp2"] = ["--parallelism.tp", "2", "--training.local_batch_size", "4"]
+    except ImportError:
+        pass
+    for name, layout in layouts.items():
+        dump = tmp_path / name
+        shutil.copytree(four / "checkpoints" / "step-000006", dump / "checkpoints" / "step-000006")
+        result = run(dump, *steps, "--nproc-per-node", "2", *layout)
+        assert "resharded from 4 ranks" in result.stdout, name
+        resumed = losses(dump)
+        assert sorted(resumed) == list(range(7, 13)), name
+        for step in range(7, 13):
+            assert abs(resumed[step] - expected[step]) <= 1e-5, (name, step, resumed[step], expected[step])
+
+
+def test_sigterm_saves_a_checkpoint_before_exiting(tmp_path):
+    dump = tmp_path / "sigterm"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "plait.trainer", *COMMON, *LAYOUTS[1], "--training.steps", "10000",
+         "--checkpoint.interval", "0", "--metrics.log_freq", "1", "--job.dump_folder", str(dump)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1"),
+    )  # fmt: skip
+    try:
+        for line in proc.stdout:
+            if line.startswith("step      3"):
+                break
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    steps = complete_steps(dump / "checkpoints")
+    assert len(steps) == 1 and steps[0] == max(losses(dump)), out

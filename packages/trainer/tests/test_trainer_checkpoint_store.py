@@ -1,0 +1,105 @@
+"""The checkpoint folder in one process: completion markers, validation of damaged checkpoints,
+choosing the newest complete one, pruning, stale temporaries, metrics on resume, config checks."""
+
+import json
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from plait.trainer.checkpoint import store
+from plait.trainer.checkpoint.store import CheckpointError
+from plait.trainer.config import ConfigError, build_config
+from plait.trainer.metrics import _open_jsonl
+from plait.trainer.validate import validate
+
+
+def save(folder, step, run_id="aaaa", publish=True):
+    tmp = store.temp_path(folder, step, run_id)
+    state = {"model": {"w": torch.full((64, 64), float(step))}, "train_state": json.dumps({"step": step})}
+    with store.single_process_quiet():
+        dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
+    if not publish:
+        return tmp
+    store.write_marker(tmp, {"step": step})
+    store.publish(tmp, folder / store.step_name(step))
+    return folder / store.step_name(step)
+
+
+def test_a_published_checkpoint_checks_and_lists(tmp_path):
+    path = save(tmp_path, 5)
+    meta = store.check(path)
+    assert meta["step"] == 5 and {".metadata", "__0_0.distcp"} <= meta["files"].keys()
+    assert store.checkpoints(tmp_path) == [(5, path)]
+    save(tmp_path, 5)  # saving the same step again replaces it
+    assert store.checkpoints(tmp_path) == [(5, path)] and store.check(path)["step"] == 5
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda p: (p / ".complete").unlink(), "is incomplete: no .complete marker"),
+        (lambda p: (p / ".complete").write_text("{not json"), "its .complete marker is unreadable"),
+        (lambda p: (p / "__0_0.distcp").unlink(), "is corrupt: __0_0.distcp is missing"),
+        (lambda p: open(p / "__0_0.distcp", "r+b").truncate(10), "__0_0.distcp has 10 bytes"),
+        (lambda p: (p / ".metadata").write_bytes(b"x" * (p / ".metadata").stat().st_size), ".metadata is unreadable"),
+    ],
+    ids=["no-marker", "bad-marker", "missing-data", "truncated-data", "garbage-metadata"],
+)
+def test_damaged_checkpoints_are_named_and_skipped(tmp_path, damage, message):
+    older = save(tmp_path, 5)
+    newer = save(tmp_path, 10)
+    damage(newer)
+    with pytest.raises(CheckpointError, match=message) as error:
+        store.check(newer)
+    assert str(newer) in str(error.value)
+    path, meta, warnings = store.newest_complete(tmp_path)
+    assert path == older and meta["step"] == 5
+    assert len(warnings) == 1 and str(newer) in warnings[0] and message in warnings[0]
+
+
+def test_unpublished_saves_are_never_candidates_and_are_cleaned_up(tmp_path):
+    save(tmp_path, 5)
+    dead = save(tmp_path, 10, run_id="dead", publish=False)  # a process died before the rename
+    mine = save(tmp_path, 15, run_id="beef", publish=False)  # this run's save in flight
+    assert [s for s, _ in store.checkpoints(tmp_path)] == [5]
+    assert store.newest_complete(tmp_path)[0].name == "step-000005"
+    assert store.remove_stale_temporaries(tmp_path, "beef") == [dead]
+    assert not dead.exists() and mine.exists()
+
+
+def test_prune_keeps_the_newest_complete(tmp_path):
+    for step in (5, 10, 15, 20):
+        save(tmp_path, step)
+    (tmp_path / "step-000020" / ".complete").unlink()  # incomplete ones are not counted or deleted
+    removed = store.prune(tmp_path, keep_last=2)
+    assert [p.name for p in removed] == ["step-000005"]
+    assert [s for s, _ in store.checkpoints(tmp_path)] == [10, 15, 20]
+    assert store.prune(tmp_path, keep_last=0) == []
+
+
+def test_metrics_on_resume_keep_earlier_steps_and_drop_later_ones(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": s}) + "\n" for s in range(1, 13)) + '{"step": 1')
+    with _open_jsonl(str(path), start_step=10) as f:
+        f.write(json.dumps({"step": 11, "loss": 0}) + "\n")
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == list(range(1, 12))
+    _open_jsonl(str(path), start_step=0).close()  # a new run starts a new file
+    assert path.read_text() == ""
+
+
+@pytest.mark.parametrize(
+    "overrides, world_size, message",
+    [
+        ({"checkpoint.create_seed_checkpoint": "true"}, 2, "runs on one process, not 2"),
+        ({"checkpoint.interval": "5"}, 1, "checkpoint.interval = 5 but checkpoint.enable = false"),
+        ({"checkpoint.load_step": "3"}, 1, "checkpoint.load_step = 3 but checkpoint.enable = false"),
+        ({"checkpoint.initial_load_hf": "true"}, 1, "needs checkpoint.initial_load_path"),
+        ({"checkpoint.initial_load_path": "/no/such/dir"}, 1, "'/no/such/dir': no such folder"),
+        ({"checkpoint.enable": "true", "checkpoint.load_step": "-2"}, 1, "checkpoint.load_step = -2"),
+    ],
+)
+def test_checkpoint_settings_are_checked_up_front(overrides, world_size, message):
+    config = build_config(None, list(overrides.items()))
+    with pytest.raises(ConfigError, match=message):
+        validate(config, world_size=world_size)
