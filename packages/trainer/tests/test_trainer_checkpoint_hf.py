@@ -8,7 +8,6 @@ exactly.
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from plait.trainer.checkpoint import hf_export
+from plait.trainer.testing import cli_env, losses, run_cli
 
 STEPS = 6
 # fmt: off
@@ -34,21 +34,8 @@ COMMON = [
 # fmt: on
 
 
-def _env():
-    return dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
-
-
 def run(dump: Path, *args, timeout=240) -> subprocess.CompletedProcess:
-    result = subprocess.run(
-        [sys.executable, "-m", "plait.trainer", *COMMON, "--job.dump_folder", str(dump), *args],
-        capture_output=True, text=True, timeout=timeout, env=_env(),
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result
-
-
-def losses(dump: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    return run_cli(dump, *COMMON, *args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +90,7 @@ def test_export_loads_in_transformers_with_the_same_logits(runs, tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "plait.trainer.checkpoint.hf_export", "--checkpoint", str(checkpoint),
          "--output", str(out), "--dtype", "float32"],
-        capture_output=True, text=True, timeout=120, env=_env(),
+        capture_output=True, text=True, timeout=120, env=cli_env(),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "llama3 debugmodel, step 6, float32" in result.stdout

@@ -8,7 +8,6 @@ layout, and within 1e-5 on another.
 """
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -16,6 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from plait.trainer.testing import cli_env, run_cli
 
 STEPS = 20
 # fmt: off
@@ -37,16 +38,7 @@ LAYOUTS = {1: ["--training.local_batch_size", "2"], 2: ["--nproc-per-node", "2",
 
 
 def run(dump: Path, *args, env=None, expect=0, timeout=240) -> subprocess.CompletedProcess:
-    result = subprocess.run(
-        [sys.executable, "-m", "plait.trainer", *COMMON, "--job.dump_folder", str(dump), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1", **(env or {})),
-    )
-    if expect is not None:
-        assert result.returncode == expect, result.stdout[-3000:] + result.stderr[-3000:]
-    return result
+    return run_cli(dump, *COMMON, *args, env=env, expect=expect, timeout=timeout)
 
 
 def losses(dump: Path) -> dict[int, float]:
@@ -54,6 +46,21 @@ def losses(dump: Path) -> dict[int, float]:
     steps = [row["step"] for row in rows]
     assert steps == sorted(set(steps)), f"steps recorded twice or out of order: {steps}"
     return {row["step"]: row["loss"] for row in rows}
+
+
+RESHARD_STEPS = ["--training.steps", "12", "--checkpoint.interval", "6"]
+
+
+def assert_resumes_from(saved: Path, dump: Path, layout: list[str], run) -> None:
+    """Copy `saved`'s step-6 checkpoint into `dump`, resume on `layout`: steps 7-12 match `saved`."""
+    expected = losses(saved)
+    shutil.copytree(saved / "checkpoints" / "step-000006", dump / "checkpoints" / "step-000006")
+    result = run(dump, *RESHARD_STEPS, *layout, timeout=300)
+    assert "resharded from 4 ranks" in result.stdout, layout
+    resumed = losses(dump)
+    assert sorted(resumed) == list(range(7, 13)), layout
+    for step in range(7, 13):
+        assert abs(resumed[step] - expected[step]) <= 1e-5, (layout, step, resumed[step], expected[step])
 
 
 def complete_steps(folder: Path) -> list[int]:
@@ -138,28 +145,17 @@ def test_requested_corrupt_or_missing_checkpoint_is_a_clear_error(straight, tmp_
 
 
 def test_resume_on_other_layouts_continues_the_run(tmp_path):
-    """4 ranks FSDP (local batch 1) saves at step 6; 2 ranks FSDP (local batch 2) and 2 ranks TP
-    (local batch 4) resume it with the same global batch: losses within 1e-5 of the 4-rank run."""
-    steps = ["--training.steps", "12", "--checkpoint.interval", "6"]
+    """4 ranks FSDP (local batch 1) saves at step 6; 2 ranks FSDP (local batch 2) and HSDP 2x2
+    (local batch 1) resume it with the same global batch: losses within 1e-5 of the 4-rank run.
+    (Resuming under tensor parallel: tests/test_combo_trainer_tp.py.)"""
     four = tmp_path / "four"
-    run(four, *steps, "--nproc-per-node", "4", "--training.local_batch_size", "1", timeout=300)
-    expected = losses(four)
-    layouts = {"fsdp2": ["--training.local_batch_size", "2"]}
-    try:
-        import plait.tensorparallel  # noqa: F401
-
-        layouts["tp2"] = ["--parallelism.tp", "2", "--training.local_batch_size", "4"]
-    except ImportError:
-        pass
+    run(four, *RESHARD_STEPS, "--nproc-per-node", "4", "--training.local_batch_size", "1", timeout=300)
+    layouts = {
+        "fsdp2": ["--nproc-per-node", "2", "--training.local_batch_size", "2"],
+        "hsdp2x2": ["--nproc-per-node", "4", "--parallelism.dp_replicate", "2", "--training.local_batch_size", "1"],
+    }
     for name, layout in layouts.items():
-        dump = tmp_path / name
-        shutil.copytree(four / "checkpoints" / "step-000006", dump / "checkpoints" / "step-000006")
-        result = run(dump, *steps, "--nproc-per-node", "2", *layout)
-        assert "resharded from 4 ranks" in result.stdout, name
-        resumed = losses(dump)
-        assert sorted(resumed) == list(range(7, 13)), name
-        for step in range(7, 13):
-            assert abs(resumed[step] - expected[step]) <= 1e-5, (name, step, resumed[step], expected[step])
+        assert_resumes_from(four, tmp_path / name, layout, run)
 
 
 def test_sigterm_saves_a_checkpoint_before_exiting(tmp_path):
@@ -168,7 +164,7 @@ def test_sigterm_saves_a_checkpoint_before_exiting(tmp_path):
         [sys.executable, "-m", "plait.trainer", *COMMON, *LAYOUTS[1], "--training.steps", "10000",
          "--checkpoint.interval", "0", "--metrics.log_freq", "1", "--job.dump_folder", str(dump)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1"),
+        env=cli_env(),
     )  # fmt: skip
     try:
         for line in proc.stdout:

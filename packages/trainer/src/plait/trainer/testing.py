@@ -12,19 +12,21 @@ def cli_env() -> dict[str, str]:
     return dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
 
 
-def run_cli(dump: Path, *args: str, timeout: float = 180, check: bool = True) -> subprocess.CompletedProcess:
-    """`python -m plait.trainer --job.dump_folder DUMP ARGS...`; with `check`, a non-zero exit fails
-    with the tail of the run's output."""
+def run_cli(
+    dump: Path, *args: str, timeout: float = 240, env: dict[str, str] | None = None, expect: int | None = 0
+) -> subprocess.CompletedProcess:
+    """`python -m plait.trainer --job.dump_folder DUMP ARGS...`. An exit code other than `expect`
+    (None: any) fails with the tail of the run's output."""
     result = subprocess.run(
         [sys.executable, "-m", "plait.trainer", "--job.dump_folder", str(dump), *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=cli_env(),
+        env={**cli_env(), **(env or {})},
     )
-    if check and result.returncode != 0:
+    if expect is not None and result.returncode != expect:
         raise AssertionError(
-            f"plait-train exited {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+            f"plait-train exited {result.returncode}, expected {expect}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
         )
     return result
 
