@@ -4,6 +4,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# On CPU, torch's flash-attention kernel runs faster in fp32 than in bf16 at small head dims: at
+# head_dim 16 (the Llama 3 debug model: batch 8, seq 512, 16 heads) forward + backward take about
+# 60 ms in fp32 against 73 ms in bf16, while from head_dim 32 up bf16 is as fast or faster. Up to
+# this head dim a bf16 (or autocast) run attends in fp32 on CPU and casts the output back; fp32
+# runs and every other device are unchanged.
+CPU_FP32_MAX_HEAD_DIM = 16
+
 
 class ScaledDotProductAttention(nn.Module):
     """Causal attention over [B, H, S, D] tensors with equal q and kv head counts.
@@ -17,6 +24,15 @@ class ScaledDotProductAttention(nn.Module):
         self.scale = scale
 
     def forward(self, q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor) -> torch.Tensor:
+        if q_BHSD.device.type == "cpu" and q_BHSD.shape[-1] <= CPU_FP32_MAX_HEAD_DIM:
+            autocast = torch.is_autocast_enabled("cpu")
+            if autocast or q_BHSD.dtype != torch.float32:
+                out_dtype = torch.get_autocast_dtype("cpu") if autocast else q_BHSD.dtype
+                with torch.autocast("cpu", enabled=False):
+                    out_BHSD = F.scaled_dot_product_attention(
+                        q_BHSD.float(), k_BHSD.float(), v_BHSD.float(), is_causal=True, scale=self.scale
+                    )
+                return out_BHSD.to(out_dtype)
         return F.scaled_dot_product_attention(q_BHSD, k_BHSD, v_BHSD, is_causal=True, scale=self.scale)
 
 
@@ -26,3 +42,29 @@ def repeat_kv(x_BSHD: torch.Tensor, n_rep: int) -> torch.Tensor:
         return x_BSHD
     B, S, H, D = x_BSHD.shape
     return x_BSHD[:, :, :, None, :].expand(B, S, H, n_rep, D).reshape(B, S, H * n_rep, D)
+
+
+INIT_STD = 0.02
+
+
+class FeedForward(nn.Module):
+    """SwiGLU, `w2(silu(w1 x) * w3 x)`: Llama's FFN, DeepSeek's dense FFN and its shared experts.
+
+    Bias-free Linears named as the tensor-parallel plans expect.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x_BSD)) * self.w3(x_BSD))
+
+    def init_weights(self, out_proj_std: float) -> None:
+        # w1 feeds the gate nonlinearity; w2 and w3 shape what is written into the residual
+        # stream, so they get the depth-scaled std (torchtitan's convention).
+        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=INIT_STD)
+        nn.init.trunc_normal_(self.w2.weight, mean=0.0, std=out_proj_std)
+        nn.init.trunc_normal_(self.w3.weight, mean=0.0, std=out_proj_std)

@@ -10,14 +10,13 @@ Multi-token prediction (MTP) is not included.
 import torch
 from torch import nn
 
-from plait.models.common import ScaledDotProductAttention
+from plait.models.common import INIT_STD, ScaledDotProductAttention
 from plait.models.deepseek_v3.args import ModelArgs
 from plait.models.deepseek_v3.rope import rope_tables, softmax_scale
 from plait.models.llama3.rope import apply_rope, rope_at
 from plait.models.moe import FeedForward, MoE, TokenChoiceTopKRouter
 
-# Init std of projections that read the residual stream (torchtitan's scheme).
-INIT_STD = 0.02
+# INIT_STD (common.py): init std of projections that read the residual stream (torchtitan's scheme).
 
 
 class Attention(nn.Module):

@@ -8,16 +8,14 @@ except that shapes are inferred from tensors (e.g. the local head count under te
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
-from plait.models.common import ScaledDotProductAttention, repeat_kv
+from plait.models.common import INIT_STD, FeedForward, ScaledDotProductAttention, repeat_kv
 from plait.models.llama3.args import ModelArgs
 from plait.models.llama3.rope import apply_rope, rope_at, rope_tables
 
-# Init std of the projections that read the residual stream (torchtitan's scheme). Like torchtitan
-# we keep trunc_normal_'s default cutoffs of +-2 (absolute), which at this std truncate nothing.
-INIT_STD = 0.02
-
+# INIT_STD (common.py) is the std of the projections that read the residual stream (torchtitan's
+# scheme). Like torchtitan we keep trunc_normal_'s default cutoffs of +-2 (absolute), which at this
+# std truncate nothing.
 
 class Attention(nn.Module):
     """Grouped-query attention: n_heads query heads share n_kv_heads key/value heads."""
@@ -55,25 +53,6 @@ class Attention(nn.Module):
         for linear in (self.wq, self.wk, self.wv):
             nn.init.trunc_normal_(linear.weight, mean=0.0, std=INIT_STD)
         nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=out_proj_std)
-
-
-class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, dim: int, hidden_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x_BSD)) * self.w3(x_BSD))
-
-    def init_weights(self, out_proj_std: float):
-        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=INIT_STD)
-        # w3 gets the depth-scaled std too, as in torchtitan.
-        for linear in (self.w2, self.w3):
-            nn.init.trunc_normal_(linear.weight, mean=0.0, std=out_proj_std)
 
 
 class TransformerBlock(nn.Module):

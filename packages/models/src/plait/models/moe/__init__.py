@@ -1,7 +1,8 @@
 """Token-choice mixture of experts: router, grouped experts, the MoE block, the permute kernel."""
 
+from plait.models.common import FeedForward
+
 from .experts import GroupedExperts
-from .feed_forward import FeedForward
 from .kernels import generate_permute_indices, permute_and_pad, unpermute
 from .load_balance import moe_aux_loss, update_moe_load_balance
 from .moe import MoE

@@ -8,8 +8,9 @@ expert parallel can wrap the middle one: its hooks on `self.experts` receive exa
 import torch
 from torch import nn
 
+from plait.models.common import FeedForward
+
 from .experts import GroupedExperts
-from .feed_forward import FeedForward
 from .router import TokenChoiceTopKRouter
 
 
