@@ -96,6 +96,15 @@ def _parallelize(config: Config, plan: RunPlan, meshes: Meshes, device: torch.de
     dp_mode = data_parallel_mode(meshes.dims, dp_config)
     wrapped = apply_data_parallel(model, meshes, blocks, dp_config, expert_modules=info.get("experts", ()))
     if not plan.full_init:
+        if device.type == "cpu" and meshes.dims.world_size > 1 and not config.checkpoint.initial_load_path:
+            # DTensor's random ops need a device RNG with offsets (CUDA-like); on CPU every rank
+            # would draw the same numbers for its own shard.
+            print(
+                "plait-train: warning: model.init = sharded on CPU gives every shard the same random "
+                "numbers; use model.init = full, or start from a seed checkpoint "
+                "(--checkpoint.create_seed_checkpoint, then --checkpoint.initial_load_path).",
+                flush=True,
+            )
         _init(model, device, config.job.seed)
 
     autocast = None
