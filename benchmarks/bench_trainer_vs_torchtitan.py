@@ -1,15 +1,19 @@
 """plait-train vs torchtitan 0.3.0: training tokens/s on the same CPU configuration.
 
-    python benchmarks/bench_trainer_vs_torchtitan.py [--steps 12] [--warmup 2] [--repeats 1] [TOKENIZER_DIR]
+    python benchmarks/bench_trainer_vs_torchtitan.py [--steps 12] [--warmup 2] [--repeats 1]
+        [--compile off|on|both] [--only plait|torchtitan] [TOKENIZER_DIR]
 
 Both train the Llama 3 debug model (6 layers, dim 256, 16 heads, vocab 2048) for the same number
 of steps in one process on CPU: seq_len 512, local batch 8, bf16 compute with fp32 master weights
 (plait: autocast; torchtitan: its FSDP mixed-precision policy, which it installs even on one
-rank), no activation checkpointing, no compile, causal SDPA attention, on the text of plait's
-built-in corpus. The first `--warmup` steps are excluded; the script prints each framework's
-median tokens/s over the remaining steps (of all `--repeats` rounds, which alternate the two
-frameworks so a shared machine's drifting load hits both alike), the best step, and the ratio
-of the medians plait / torchtitan.
+rank), no activation checkpointing, causal SDPA attention, on the text of plait's built-in
+corpus. Each framework runs without compile (its default) and, with `--compile on|both`
+(default both), with torch.compile per block and on the loss (plait `--training.compile true`,
+torchtitan `--compile.enable`). The first `--warmup` steps are excluded; the script prints each
+run's median tokens/s over the remaining steps (of all `--repeats` rounds, which alternate the
+order of the runs so a shared machine's drifting load hits all alike), the best step, the
+per-round medians, and the ratios of the medians: eager vs eager, plait compile vs torchtitan
+default, compile vs compile (with the range of the per-round ratios).
 
 * plait runs through `plait-train` (a subprocess); tokens/s is read from
   `<dump_folder>/metrics.jsonl` (key `tokens_per_second`, one line per step with log_freq 1).
@@ -78,8 +82,9 @@ def ensure_torchtitan_venv(venv: Path) -> Path:
     return python
 
 
-def run_torchtitan(args, python: Path, workdir: Path) -> list[tuple[int, float]]:
-    dump = workdir / "torchtitan"
+def run_torchtitan(args, python: Path, workdir: Path, compile: bool) -> list[tuple[int, float]]:
+    name = "torchtitan-compile" if compile else "torchtitan"
+    dump = workdir / name
     cmd = [
         str(python), str(HERE / "torchtitan_cpu.py"),
         "--module", "llama3", "--config", "llama3_debugmodel",
@@ -91,11 +96,12 @@ def run_torchtitan(args, python: Path, workdir: Path) -> list[tuple[int, float]]
         "--training.steps", str(args.steps),
         "--training.mixed_precision_param", "bfloat16" if args.dtype == "bfloat16" else "float32",
         "--metrics.log_freq", "1",
+        *(["--compile.enable"] if compile else []),
         "activation_checkpoint:none",
     ]
     env = dict(os.environ, WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), PYTHONUNBUFFERED="1")
-    log = workdir / "torchtitan.log"
+    log = workdir / f"{name}.log"
     print(f"[bench] torchtitan: {' '.join(cmd)}\n[bench] log: {log}", flush=True)
     with open(log, "w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=workdir)
@@ -106,8 +112,9 @@ def run_torchtitan(args, python: Path, workdir: Path) -> list[tuple[int, float]]
     return [(int(m.group(1)), float(m.group(2).replace(",", ""))) for m in _TT_STEP.finditer(text)]
 
 
-def run_plait(args, workdir: Path) -> list[tuple[int, float]]:
-    dump = workdir / "plait"
+def run_plait(args, workdir: Path, compile: bool) -> list[tuple[int, float]]:
+    name = "plait-compile" if compile else "plait"
+    dump = workdir / name
     exe = shutil.which("plait-train")
     cmd = [exe] if exe else [sys.executable, "-m", "plait.trainer"]
     cmd += [
@@ -118,9 +125,11 @@ def run_plait(args, workdir: Path) -> list[tuple[int, float]]:
         "--training.dtype", args.dtype,
         "--training.steps", str(args.steps),
         "--training.activation_checkpoint", "none",
+        "--training.compile", "true" if compile else "false",
         "--metrics.log_freq", "1",
+        "--metrics.tensorboard", "false",
     ]
-    log = workdir / "plait.log"
+    log = workdir / f"{name}.log"
     print(f"[bench] plait: {' '.join(cmd)}\n[bench] log: {log}", flush=True)
     with open(log, "w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=workdir,
@@ -161,6 +170,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1,
                         help="alternate the two runs this many times (a shared machine's load drifts); "
                              "the median is over all kept steps of all repeats")
+    parser.add_argument("--compile", choices=["off", "on", "both"], default="both",
+                        help="torch.compile per block (plait --training.compile, torchtitan --compile.enable): "
+                             "run each framework without it, with it, or both")
     parser.add_argument("--port", type=int, default=29531, help="torchtitan's MASTER_PORT")
     args = parser.parse_args()
     if args.steps <= args.warmup:
@@ -173,26 +185,43 @@ def main() -> None:
     print(f"[bench] {time.strftime('%Y-%m-%d')} torch {torch.__version__}, {os.cpu_count()} CPUs, "
           f"{torch.get_num_threads()} torch threads; Llama 3 debugmodel, seq {args.seq_len}, "
           f"batch {args.batch}, {args.dtype}, {args.steps} steps ({args.warmup} warmup)", flush=True)
+    compiles = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    sides = [(fw, c) for fw in ("plait", "torchtitan") if args.only in (None, fw) for c in compiles]
     python = ensure_torchtitan_venv(args.venv) if args.only != "plait" else None
     kept: dict[str, list[float]] = {}
+    per_round: dict[str, list[float]] = {}
     for repeat in range(1, args.repeats + 1):
+        # Alternate the order every round, so a shared machine's drifting load hits every side alike.
+        order = sides if repeat % 2 else sides[::-1]
         print(f"[bench] round {repeat}/{args.repeats}", flush=True)
         with tempfile.TemporaryDirectory(prefix="plait-bench-") as tmp:
             workdir = Path(tmp)
-            if args.only != "torchtitan":
-                steps = run_plait(args, workdir)
-                kept.setdefault("plait", []).extend(after_warmup("plait", steps, args.warmup))
-            if args.only != "plait":
-                steps = run_torchtitan(args, python, workdir)
-                kept.setdefault("torchtitan", []).extend(
-                    after_warmup(f"torchtitan {TORCHTITAN_VERSION}", steps, args.warmup))
+            for framework, compile in order:
+                name = framework + ("-compile" if compile else "")
+                if framework == "plait":
+                    steps = run_plait(args, workdir, compile)
+                else:
+                    steps = run_torchtitan(args, python, workdir, compile)
+                values = after_warmup(name, steps, args.warmup)
+                kept.setdefault(name, []).extend(values)
+                per_round.setdefault(name, []).append(statistics.median(values))
     results = {name: statistics.median(values) for name, values in kept.items()}
     print()
-    print(f"{'framework':<18}{'median tokens/s':>16}{'best':>8}{'steps':>7}")
+    print(f"{'run':<20}{'median tok/s':>13}{'best':>8}{'steps':>7}   per-round medians")
     for name, tps in results.items():
-        print(f"{name:<18}{tps:>16.0f}{max(kept[name]):>8.0f}{len(kept[name]):>7}")
-    if len(results) == 2:
-        print(f"ratio plait / torchtitan: {results['plait'] / results['torchtitan']:.2f}")
+        rounds = ", ".join(f"{r:.0f}" for r in per_round[name])
+        print(f"{name:<20}{tps:>13.0f}{max(kept[name]):>8.0f}{len(kept[name]):>7}   {rounds}")
+    pairs = [("plait", "torchtitan", "eager vs eager"),
+             ("plait-compile", "torchtitan", "plait compile vs torchtitan default"),
+             ("plait-compile", "torchtitan-compile", "compile vs compile"),
+             ("plait-compile", "plait", "plait compile vs plait eager"),
+             ("torchtitan-compile", "torchtitan", "torchtitan compile vs torchtitan eager")]
+    for a, b, what in pairs:
+        if a in results and b in results:
+            low = min(x / y for x, y in zip(per_round[a], per_round[b]))
+            high = max(x / y for x, y in zip(per_round[a], per_round[b]))
+            print(f"ratio {a} / {b} ({what}): {results[a] / results[b]:.2f} "
+                  f"(per-round {low:.2f}-{high:.2f})")
 
 
 if __name__ == "__main__":

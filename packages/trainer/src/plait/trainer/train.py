@@ -151,6 +151,10 @@ class Trainer:
         )
         self.aux_loss, self.after_step = _moe_hooks(self.pm.inner, self.plan.model_args, self.meshes)
         self.loss_context = self._loss_context_factory()
+        # Under training.compile the loss is compiled too (the fp32 upcast fuses into the
+        # log-softmax); not on tensor-parallel (DTensor) logits.
+        compile_loss = config.training.compile and self.plan.dims.tp == 1
+        self.loss_fn = torch.compile(cross_entropy_loss) if compile_loss else cross_entropy_loss
         self.checkpointer = CheckpointManager(
             config, self.plan.dims, self.pm.inner, self.optimizer, self.scheduler, self.loader, self.rank
         )
@@ -174,7 +178,7 @@ class Trainer:
             with self.loss_context():
                 with autocast:
                     logits_BSV = self.model(inputs_BS)
-                    loss = cross_entropy_loss(logits_BSV, labels_BS)
+                    loss = self.loss_fn(logits_BSV, labels_BS)
                     total = (loss + self.aux_loss(self.pm.inner)) if self.aux_loss else loss
                 # Each micro-batch's mean scaled by 1/accumulation: the step's gradient is the
                 # mean over the global batch (data parallel averages over ranks).
