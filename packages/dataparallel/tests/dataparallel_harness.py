@@ -5,6 +5,7 @@ its slice of the same batch, starting from the same weights (every rank builds t
 same seed), and reports the global mean loss (the mean over dp ranks of equal-sized slices).
 """
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -159,3 +160,23 @@ def reshard_after_forward_of(model: nn.Module) -> dict[str, bool | int]:
         else:
             out[name] = post.shard_mesh_size
     return out
+
+
+def assert_parity(got: dict, ref: dict, params: bool = True) -> None:
+    """Per-step losses within 1e-5 of the 1-process reference; with `params`, first-step gradients
+    (a wrong scale hides behind AdamW) and final parameters too."""
+    assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5, rel=0)
+    if params:
+        assert got["grads"].keys() == ref["grads"].keys()
+        for name, value in ref["grads"].items():
+            torch.testing.assert_close(got["grads"][name], value, atol=1e-6, rtol=1e-4, msg=name)
+        assert got["params"].keys() == ref["params"].keys()
+        for name, value in ref["params"].items():
+            torch.testing.assert_close(got["params"][name], value, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def assert_sharded_bytes(got_bytes: int, ref: dict, shards: int) -> None:
+    """Local parameter bytes are 1/shards of the model, within one row of each matrix."""
+    total = sum(v.numel() * v.element_size() for v in ref["params"].values())
+    one_row_each = sum(v[0].numel() * v.element_size() for v in ref["params"].values() if v.ndim > 1)
+    assert abs(got_bytes - total / shards) <= one_row_each

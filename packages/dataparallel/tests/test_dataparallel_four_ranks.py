@@ -3,11 +3,12 @@ and routed experts sharded over a smaller mesh than the rest. One spawn serves e
 """
 
 import pytest
-import torch
 import torch.distributed as dist
 from dataparallel_harness import (
     BLOCKS,
     EXPERTS,
+    assert_parity,
+    assert_sharded_bytes,
     build_model,
     full_params,
     local_param_bytes,
@@ -127,30 +128,13 @@ def ref():
     return reference()
 
 
-def _assert_parity(got, ref, params=True):
-    assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5, rel=0)
-    if params:
-        assert got["grads"].keys() == ref["grads"].keys()
-        for name, value in ref["grads"].items():
-            torch.testing.assert_close(got["grads"][name], value, atol=1e-6, rtol=1e-4, msg=name)
-        assert got["params"].keys() == ref["params"].keys()
-        for name, value in ref["params"].items():
-            torch.testing.assert_close(got["params"][name], value, atol=1e-5, rtol=1e-4, msg=name)
-
-
-def _assert_bytes(got, ref, shards):
-    total = sum(v.numel() * v.element_size() for v in ref["params"].values())
-    one_row_each = sum(v[0].numel() * v.element_size() for v in ref["params"].values() if v.ndim > 1)
-    assert abs(got["bytes"] - total / shards) <= one_row_each
-
-
 # fsdp_tp: only the blocks' linears are tensor-parallel, so there is no single fraction to check.
 @pytest.mark.parametrize("case, shards", [("fsdp", 4), ("hsdp", 2), ("replicate", 1), ("fsdp_tp", None)])
 def test_parity_and_bytes(results, ref, case, shards):
     for rank_result in results:
-        _assert_parity(rank_result[case], ref)
+        assert_parity(rank_result[case], ref)
         if shards is not None:
-            _assert_bytes(rank_result[case], ref, shards)
+            assert_sharded_bytes(rank_result[case]["bytes"], ref, shards)
 
 
 def test_hsdp_uses_the_2d_mesh(results):
@@ -165,7 +149,7 @@ def test_fsdp_composes_with_tensor_parallel_dtensors(results):
 def test_reshard_policies_on_four_ranks(results, ref):
     assert results[0]["fsdp"]["reshard"] == {"layers.0": True, "layers.1": True, "layers.2": False, "": False}
     assert results[0]["fsdp_int"]["reshard"] == {name: 2 for name in [*BLOCKS, ""]}
-    _assert_parity(results[0]["fsdp_int"], ref, params=False)
+    assert_parity(results[0]["fsdp_int"], ref, params=False)
 
 
 def test_experts_on_a_smaller_mesh(results):
@@ -174,7 +158,7 @@ def test_experts_on_a_smaller_mesh(results):
         got = rank_result["experts"]
         assert got["expert"] == (2, (Shard(1),), (1, 8, 32))  # [E=1, in/2, out] on the 2-rank expert mesh
         assert got["dense"] == (4, (Shard(0),))
-        _assert_parity(got, ref)
+        assert_parity(got, ref)
 
 
 def test_experts_replicated_when_ep_takes_all_of_dp_shard(results):
@@ -183,4 +167,4 @@ def test_experts_replicated_when_ep_takes_all_of_dp_shard(results):
         got = rank_result["experts_hsdp"]
         assert got["expert"] == ((2,), (Replicate(),))
         assert got["dense"] == ((2, 2), (Replicate(), Shard(0)))
-        _assert_parity(got, ref)
+        assert_parity(got, ref)

@@ -10,6 +10,8 @@ import torch.distributed as dist
 from dataparallel_harness import (
     BLOCKS,
     EXPERTS,
+    assert_parity,
+    assert_sharded_bytes,
     build_model,
     full_params,
     local_param_bytes,
@@ -129,34 +131,21 @@ def ref():
     return reference()
 
 
-def _assert_parity(got, ref, params=True):
-    assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5, rel=0)
-    if params:
-        assert got["grads"].keys() == ref["grads"].keys()
-        for name, value in ref["grads"].items():
-            torch.testing.assert_close(got["grads"][name], value, atol=1e-6, rtol=1e-4, msg=name)
-        assert got["params"].keys() == ref["params"].keys()
-        for name, value in ref["params"].items():
-            torch.testing.assert_close(got["params"][name], value, atol=1e-5, rtol=1e-4, msg=name)
-
-
 @pytest.mark.parametrize("case", ["fsdp", "fsdp_offload", "replicate", "ddp"])
 def test_parity_losses_and_params(results, ref, case):
     for rank_result in results:
-        _assert_parity(rank_result[case], ref)
+        assert_parity(rank_result[case], ref)
 
 
 @pytest.mark.parametrize("case", ["fsdp_always", "fsdp_never", "fsdp_prefetch", "fsdp_meta", "replicate_prefetch"])
 def test_parity_losses(results, ref, case):
     for rank_result in results:
-        _assert_parity(rank_result[case], ref, params=False)
+        assert_parity(rank_result[case], ref, params=False)
 
 
 def test_fsdp_shards_parameters_in_half(results, ref):
-    total = sum(v.numel() * v.element_size() for v in ref["params"].values())
-    one_row_each = sum(v[0].numel() * v.element_size() for v in ref["params"].values() if v.ndim > 1)
     for rank_result in results:
-        assert abs(rank_result["fsdp"]["bytes"] - total / 2) <= one_row_each
+        assert_sharded_bytes(rank_result["fsdp"]["bytes"], ref, 2)
 
 
 def test_reshard_policies(results):
@@ -191,7 +180,7 @@ def test_experts_outside_fsdp_when_ep_takes_all_data_ranks(results):
     for rank_result in results:
         got = rank_result["experts_ep_only"]
         assert got["plain"] == ["layers.1.experts.w1", "layers.1.experts.w2"]
-        _assert_parity(got, ref)
+        assert_parity(got, ref)
 
 
 def test_ddp_wraps(results):
