@@ -2,9 +2,18 @@
 (replicate, efsdp) mesh. One spawn serves every test here."""
 
 import pytest
-import torch
 import torch.distributed as dist
-from dataparallel_harness import BLOCKS, EXPERTS, build_model, full_params, local_param_bytes, reference, train
+from dataparallel_harness import (
+    BLOCKS,
+    EXPERTS,
+    assert_parity,
+    assert_sharded_bytes,
+    build_model,
+    full_params,
+    local_param_bytes,
+    reference,
+    train,
+)
 from torch.distributed.tensor import Replicate, Shard
 
 from plait.dataparallel import DataParallelConfig, apply_data_parallel
@@ -52,16 +61,11 @@ def ref():
 
 @pytest.mark.parametrize("case, mesh, shards", [("fsdp", (8,), 8), ("hsdp", (2, 4), 4)])
 def test_parity_and_bytes_on_eight_ranks(results, ref, case, mesh, shards):
-    total = sum(v.numel() * v.element_size() for v in ref["params"].values())
-    one_row_each = sum(v[0].numel() * v.element_size() for v in ref["params"].values() if v.ndim > 1)
     for rank_result in results:
         got = rank_result[case]
         assert got["mesh"] == mesh
-        assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5, rel=0)
-        for kind in ("grads", "params"):
-            for name, value in ref[kind].items():
-                torch.testing.assert_close(got[kind][name], value, atol=1e-5, rtol=1e-4, msg=f"{kind} {name}")
-        assert abs(got["bytes"] - total / shards) <= one_row_each
+        assert_parity(got, ref)
+        assert_sharded_bytes(got["bytes"], ref, shards)
 
 
 def test_hsdp_with_experts_on_a_2d_expert_mesh(results):
@@ -69,7 +73,4 @@ def test_hsdp_with_experts_on_a_2d_expert_mesh(results):
     for rank_result in results:
         got = rank_result["hsdp_experts"]
         assert got["expert"] == ((2, 2), (Replicate(), Shard(1)))  # one local expert, 2 efsdp ranks
-        assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5, rel=0)
-        for kind in ("grads", "params"):
-            for name, value in ref[kind].items():
-                torch.testing.assert_close(got[kind][name], value, atol=1e-5, rtol=1e-4, msg=f"{kind} {name}")
+        assert_parity(got, ref)
