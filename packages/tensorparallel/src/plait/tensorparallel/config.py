@@ -9,9 +9,13 @@ from dataclasses import dataclass
 
 import torch
 
+from plait.mesh import ParallelConfigError
 
-class TensorParallelConfigError(ValueError):
-    """A tensor-parallel setting that cannot work; the message names the key and the fix."""
+
+class TensorParallelConfigError(ParallelConfigError):
+    """A tensor-parallel setting that cannot work; the message names the key and the fix.
+
+    A ParallelConfigError, so a composer catches every package's layout errors as one type."""
 
 
 @dataclass

@@ -58,13 +58,10 @@ def _init(model: nn.Module, device: torch.device, seed: int) -> None:
 
 def parallelize(config: Config, plan: RunPlan, meshes: Meshes, device: torch.device) -> ParallelModel:
     """Apply every parallelism in the fixed order; the packages' own local checks (the same on
-    every rank, before their first collective) surface as ConfigError."""
-    errors = (ParallelConfigError,) + tuple(
-        m.__dict__[name] for m in plan.parallel_modules.values() for name in dir(m) if name.endswith("ConfigError")
-    )
+    every rank, before their first collective, all ParallelConfigError) surface as ConfigError."""
     try:
         return _parallelize(config, plan, meshes, device)
-    except errors as e:
+    except ParallelConfigError as e:
         raise ConfigError(str(e).splitlines()[0]) from None
 
 
