@@ -1,5 +1,6 @@
 import dataclasses
 
+import pytest
 import torch
 import torch.nn.functional as F
 from llama3_testing import build_initialised
@@ -68,7 +69,7 @@ class PositionMaskedSDPA(nn.Module):
 
     def forward(self, q_BHSD, k_BHSD, v_BHSD):
         mask_SS = self.positions_S[:, None] >= self.positions_S[None, :]
-        return F.scaled_dot_product_attention(q_BHSD, k_BHSD, v_BHSD, attn_mask=mask_SS)
+        return F.scaled_dot_product_attention(q_BHSD, k_BHSD, v_BHSD, attn_mask=mask_SS, enable_gqa=True)
 
 
 def test_non_contiguous_positions_with_replaced_sdpa(tiny_args):
@@ -96,8 +97,10 @@ def test_attention_goes_through_the_sdpa_module(tiny_args, monkeypatch):
 
     monkeypatch.setattr(ScaledDotProductAttention, "forward", counting)
     model(torch.randint(0, tiny_args.vocab_size, (2, 6)))
-    # One call per layer, kv heads already repeated to the query head count.
-    assert calls == [((2, 4, 6, 16),) * 3] * tiny_args.n_layers
+    # One call per layer; kv heads are not repeated to the query head count (native GQA).
+    n_kv = tiny_args.n_kv_heads
+    assert n_kv < tiny_args.n_heads
+    assert calls == [((2, 4, 6, 16), (2, n_kv, 6, 16), (2, n_kv, 6, 16))] * tiny_args.n_layers
 
 
 def test_attention_infers_local_head_count(tiny_args):
@@ -112,3 +115,23 @@ def test_attention_infers_local_head_count(tiny_args):
     x = torch.randn(1, 5, tiny_args.dim)
     cos, sin = rope_at(model.rope_cos, model.rope_sin, torch.arange(5))
     assert attention(x, cos, sin).shape == (1, 5, tiny_args.dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sdpa_grouped_query_attention_equals_repeated_heads(dtype):
+    # Native GQA (no K/V copies) must equal multi-head attention over kv heads repeated H / G times.
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 12, 16, dtype=dtype, requires_grad=True)
+    k = torch.randn(2, 2, 12, 16, dtype=dtype, requires_grad=True)
+    v = torch.randn(2, 2, 12, 16, dtype=dtype, requires_grad=True)
+    out = ScaledDotProductAttention()(q, k, v)
+    ref = F.scaled_dot_product_attention(
+        q.float(), k.float().repeat_interleave(4, dim=1), v.float().repeat_interleave(4, dim=1), is_causal=True
+    )
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    q2, k2, v2 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref2 = F.scaled_dot_product_attention(q2, k2.repeat_interleave(4, 1), v2.repeat_interleave(4, 1), is_causal=True)
+    for got, want in zip(grads, torch.autograd.grad(ref2.sum(), (q2, k2, v2))):
+        torch.testing.assert_close(got.float(), want, atol=5 * tol, rtol=5 * tol)

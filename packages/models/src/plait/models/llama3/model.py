@@ -9,7 +9,7 @@ except that shapes are inferred from tensors (e.g. the local head count under te
 import torch
 from torch import nn
 
-from plait.models.common import INIT_STD, FeedForward, ScaledDotProductAttention, repeat_kv
+from plait.models.common import INIT_STD, FeedForward, ScaledDotProductAttention
 from plait.models.llama3.args import ModelArgs
 from plait.models.llama3.rope import apply_rope, rope_at, rope_tables
 
@@ -34,18 +34,15 @@ class Attention(nn.Module):
         B, S, _ = x_BSD.shape
         # Head counts are inferred (-1), so tensor parallel's local heads work unchanged.
         q_BSHD = self.wq(x_BSD).view(B, S, -1, self.head_dim)
-        k_BSKD = self.wk(x_BSD).view(B, S, -1, self.head_dim)
-        v_BSKD = self.wv(x_BSD).view(B, S, -1, self.head_dim)
+        k_BSGD = self.wk(x_BSD).view(B, S, -1, self.head_dim)
+        v_BSGD = self.wv(x_BSD).view(B, S, -1, self.head_dim)
 
         q_BSHD = apply_rope(q_BSHD, rope_cos, rope_sin)
-        k_BSKD = apply_rope(k_BSKD, rope_cos, rope_sin)
+        k_BSGD = apply_rope(k_BSGD, rope_cos, rope_sin)
 
-        # Repeat kv heads so the sdpa module sees equal head counts (simpler for CP kernels).
-        n_rep = q_BSHD.shape[2] // k_BSKD.shape[2]
-        k_BSHD = repeat_kv(k_BSKD, n_rep)
-        v_BSHD = repeat_kv(v_BSKD, n_rep)
-
-        out_BHSD = self.sdpa(q_BSHD.transpose(1, 2), k_BSHD.transpose(1, 2), v_BSHD.transpose(1, 2))
+        # G kv heads go to the sdpa module as they are: the kernels do grouped-query attention
+        # natively, without copying K/V up to H heads.
+        out_BHSD = self.sdpa(q_BSHD.transpose(1, 2), k_BSGD.transpose(1, 2), v_BSGD.transpose(1, 2))
         out_BSE = out_BHSD.transpose(1, 2).reshape(B, S, -1)
         return self.wo(out_BSE)
 
@@ -180,6 +177,9 @@ class Transformer(nn.Module):
             "seq_dim_inputs": {"tokens": 1, "positions": 1},
             "experts": [],
             "attention_modules": [f"{block}.attention.sdpa" for block in blocks],
+            # Head counts the attention modules see before tensor parallel (context parallel's
+            # all-to-all splits heads over cp ranks).
+            "attention_heads": {"n_heads": self.args.n_heads, "n_kv_heads": self.args.n_kv_heads or self.args.n_heads},
             # Sizes tensor parallel splits: heads and kv heads (whole heads per rank), FFN hidden, vocab.
             "tp_divisible": {
                 "n_heads": self.args.n_heads,
