@@ -1,3 +1,30 @@
-"""plait.contextparallel: not implemented yet; see the package README."""
+"""plait.contextparallel: all-gather, ring and all-to-all (Ulysses) context parallel on CPU and GPU.
+
+    layout = apply_context_parallel(model, meshes.cp, info["attention_modules"], ContextParallelConfig())
+    tokens = shard_sequence(tokens_BS, 1, cp_rank, layout)
+    positions = layout.local_indices(cp_rank, seq_len)
+    logits = model(tokens, positions)
+
+See the README and docs/contracts.md (the attention contract it relies on).
+"""
+
+from .attention import ContextParallelAttention, apply_context_parallel
+from .config import METHODS, ContextParallelConfig, validate_context_parallel
+from .kernels import attention_backward, attention_forward
+from .layout import SequenceLayout, plan_blocks, shard_sequence, unshard_sequence
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "METHODS",
+    "ContextParallelAttention",
+    "ContextParallelConfig",
+    "SequenceLayout",
+    "apply_context_parallel",
+    "attention_backward",
+    "attention_forward",
+    "plan_blocks",
+    "shard_sequence",
+    "unshard_sequence",
+    "validate_context_parallel",
+]

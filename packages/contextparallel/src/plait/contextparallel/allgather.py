@@ -1,0 +1,69 @@
+"""All-gather context parallel (pass-KV): every rank gathers K and V once per layer.
+
+Forward: all-gather [K | V] (one collective), reorder the chunks to sequence order, attend the
+local queries to the keys each one may see (layout.plan_blocks), merge through the lse.
+Backward: gather again (only the local K/V are saved, so activation memory stays O(S / cp)),
+accumulate dK/dV for the whole sequence in fp32, reduce-scatter them back to their owners.
+"""
+
+import torch
+import torch.distributed as dist
+
+from .blockwise import blocks_backward, blocks_forward
+from .comm import all_gather, reduce_scatter
+from .kernels import MergedAttention, accum_dtype
+from .layout import SequenceLayout, plan_blocks
+
+
+def _natural_order(layout: SequenceLayout, device) -> torch.Tensor:
+    rank_order = layout.rank_order()
+    return torch.tensor([rank_order.index(c) for c in range(layout.n_chunks)], device=device)
+
+
+def _gather_kv(kv_BGLF: torch.Tensor, group, layout: SequenceLayout) -> torch.Tensor:
+    """Local [B, G, 2c, F] -> the whole sequence [B, G, S, F] in natural order."""
+    B, G, L, F = kv_BGLF.shape
+    gathered_RBGLF = all_gather(kv_BGLF, group, layout.cp)
+    slots_BGNcF = gathered_RBGLF.movedim(0, 2).reshape(B, G, layout.n_chunks, L // 2, F)
+    return slots_BGNcF.index_select(2, _natural_order(layout, kv_BGLF.device)).view(B, G, layout.cp * L, F)
+
+
+def _scatter_grad(dkv_BGSF: torch.Tensor, group, layout: SequenceLayout) -> torch.Tensor:
+    """Whole-sequence fp32 [B, G, S, F] summed over ranks -> this rank's [B, G, 2c, F]."""
+    B, G, S, F = dkv_BGSF.shape
+    c = S // layout.n_chunks
+    rank_order = torch.tensor(layout.rank_order(), device=dkv_BGSF.device)
+    slots = dkv_BGSF.view(B, G, layout.n_chunks, c, F).index_select(2, rank_order)
+    per_rank_RBGLF = slots.view(B, G, layout.cp, 2 * c, F).movedim(2, 0)
+    return reduce_scatter(per_rank_RBGLF, group)
+
+
+class AllGatherAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, layout: SequenceLayout, scale: float):
+        rank = dist.get_rank(group)
+        d = k.shape[-1]
+        kv = _gather_kv(torch.cat([k, v], dim=-1), group, layout)
+        chunk = q.shape[2] // 2
+        blocks = plan_blocks(layout.chunks(rank), range(layout.n_chunks))
+        acc = MergedAttention(q, v.shape[-1])
+        blocks_forward(acc, q, kv[..., :d], kv[..., d:], blocks, chunk, scale)
+        out = acc.out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, acc.lse)
+        ctx.group, ctx.layout, ctx.scale, ctx.blocks = group, layout, scale, blocks
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        d = k.shape[-1]
+        kv = _gather_kv(torch.cat([k, v], dim=-1), ctx.group, ctx.layout)
+        chunk = q.shape[2] // 2
+        dq = torch.zeros(q.shape, dtype=accum_dtype(q.dtype), device=q.device)
+        dkv = torch.zeros(kv.shape, dtype=accum_dtype(q.dtype), device=q.device)
+        blocks_backward(
+            dq, dkv[..., :d], dkv[..., d:], dout.contiguous(), q, kv[..., :d], kv[..., d:], out, lse,
+            ctx.blocks, chunk, ctx.scale,
+        )
+        dkv_local = _scatter_grad(dkv, ctx.group, ctx.layout)
+        return dq.to(q.dtype), dkv_local[..., :d].to(k.dtype), dkv_local[..., d:].to(v.dtype), None, None, None

@@ -1,0 +1,52 @@
+"""The module that replaces a model's `sdpa` submodules, and `apply_context_parallel`."""
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .allgather import AllGatherAttention
+from .config import ContextParallelConfig
+from .layout import SequenceLayout
+from .ring import RingAttention
+from .ulysses import UlyssesAttention
+
+_FUNCTIONS = {"allgather": AllGatherAttention, "ring": RingAttention, "ulysses": UlyssesAttention}
+
+
+class ContextParallelAttention(nn.Module):
+    """Causal attention over a sequence sharded across the cp mesh, in `layout`'s order.
+
+    Takes and returns what the model's sdpa module does: q [B, H, S/cp, Dqk], k [B, G, S/cp, Dqk],
+    v [B, G, S/cp, Dv] -> [B, H, S/cp, Dv], where S/cp are this rank's tokens.
+    """
+
+    def __init__(self, mesh: DeviceMesh, method: str, layout: SequenceLayout, scale: float | None = None):
+        super().__init__()
+        self.mesh, self.method, self.layout, self.scale = mesh, method, layout, scale
+        self._function = _FUNCTIONS[method]
+
+    # The collectives inside cannot be traced: a compiled block calls this eagerly.
+    @torch.compiler.disable
+    def forward(self, q_BHLD: torch.Tensor, k_BGLD: torch.Tensor, v_BGLD: torch.Tensor) -> torch.Tensor:
+        scale = self.scale if self.scale is not None else q_BHLD.shape[-1] ** -0.5
+        return self._function.apply(q_BHLD, k_BGLD, v_BGLD, self.mesh.get_group(), self.layout, scale)
+
+    def extra_repr(self) -> str:
+        return f"method={self.method}, cp={self.layout.cp}, load_balance={self.layout.load_balance}"
+
+
+def apply_context_parallel(
+    model: nn.Module, cp_mesh: DeviceMesh, attention_modules: Sequence[str], config: ContextParallelConfig
+) -> SequenceLayout:
+    """Replace each attention module (`parallel_info()["attention_modules"]`) with context-parallel
+    attention over `cp_mesh`, keeping its softmax `scale`. Returns the sequence layout that the
+    batch must be sharded in (`shard_sequence`, `SequenceLayout.local_indices` for positions)."""
+    layout = SequenceLayout(cp_mesh.size(), config.load_balance)
+    for path in attention_modules:
+        parent_path, _, name = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        original = getattr(parent, name)
+        setattr(parent, name, ContextParallelAttention(cp_mesh, config.method, layout, getattr(original, "scale", None)))
+    return layout

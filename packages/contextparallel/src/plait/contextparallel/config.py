@@ -1,0 +1,51 @@
+"""What context parallel is asked to do, and every check made before the first collective."""
+
+from dataclasses import dataclass
+
+from plait.mesh import ParallelConfigError
+
+METHODS = ("allgather", "ring", "ulysses")
+
+
+@dataclass(frozen=True)
+class ContextParallelConfig:
+    method: str = "allgather"
+    """allgather: gather K/V once per layer (default). ring: pass K/V blocks around the cp ranks,
+    overlapped with attention, memory O(S / cp). ulysses: all-to-all sequence shards to head shards."""
+    load_balance: bool = True
+    """Head-tail (zigzag) sharding: rank r holds chunks r and 2cp-1-r of 2cp, so causal work is even."""
+
+
+def validate_context_parallel(info: dict, cp: int, seq_len: int, config: ContextParallelConfig, tp: int = 1) -> None:
+    """Check a model's metadata and the run against context parallel; raise ParallelConfigError.
+
+    Local and identical on every rank: call it before any collective.
+    """
+    if config.method not in METHODS:
+        raise ParallelConfigError(
+            f"parallelism.cp_method = {config.method!r}: use one of {', '.join(METHODS)}."
+        )
+    if cp < 1:
+        raise ParallelConfigError(f"parallelism.cp = {cp}: must be >= 1.")
+    if not info.get("attention_modules"):
+        raise ParallelConfigError(
+            "context parallel needs the attention contract: the model's parallel_info() lists no "
+            "attention_modules (replaceable sdpa submodules, docs/contracts.md); set parallelism.cp = 1."
+        )
+    if seq_len % (2 * cp):
+        raise ParallelConfigError(
+            f"training.seq_len = {seq_len} is not divisible by 2 x parallelism.cp = {2 * cp} (context parallel "
+            f"cuts each sequence into 2 x cp chunks): use a seq_len that is a multiple of {2 * cp}."
+        )
+    if config.method == "ulysses":
+        heads = info.get("attention_heads", {}).get("n_heads")
+        if heads is None:
+            raise ParallelConfigError(
+                "parallelism.cp_method = 'ulysses' needs the model's head count (parallel_info()"
+                "['attention_heads']); use cp_method = 'allgather' or 'ring'."
+            )
+        if heads % (tp * cp):
+            raise ParallelConfigError(
+                f"parallelism.cp_method = 'ulysses' splits the {heads} attention heads over tp x cp = {tp * cp} "
+                f"ranks, which does not divide them: use cp_method = 'ring' or 'allgather', or tp x cp dividing {heads}."
+            )

@@ -1,0 +1,131 @@
+"""Attention kernels that return the log-sum-exp, and the exact merge of blocks through it.
+
+    attention_forward(q, k, v, causal, scale)                 -> out [B, H, Lq, Dv], lse [B, H, Lq] fp32
+    attention_backward(dout, q, k, v, out, lse, causal, scale) -> dq, dk, dv
+
+q is [B, H, Lq, Dqk], k [B, G, Lk, Dqk], v [B, G, Lk, Dv] with H a multiple of G (grouped-query
+attention goes to the kernels without copying K/V). `causal` is only ever used on square blocks:
+the kernels align the mask top-left, which is the diagonal only when Lq == Lk.
+
+The backward of one block takes the *merged* output and log-sum-exp of all blocks: softmax
+probabilities rebuilt from the global lse are the global ones, so each block's dq/dk/dv are its
+exact share of the full gradient (the ring-flash-attention identity).
+
+Kernels: CPU -> aten._scaled_dot_product_flash_attention_for_cpu (any float dtype, native GQA);
+CUDA fp16/bf16 -> aten._scaled_dot_product_flash_attention (FlashAttention-2, native GQA);
+anything else -> an explicit fp32 implementation (`math_forward` / `math_backward`). The flash
+kernels need Dv == Dqk, so MLA's narrower values are zero-padded and the padding sliced off.
+"""
+
+import torch
+import torch.nn.functional as F
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _kernel(q: torch.Tensor) -> str:
+    if q.device.type == "cpu":
+        return "cpu_flash"
+    if q.device.type == "cuda" and q.dtype in _HALF and q.shape[-1] <= 256:
+        return "cuda_flash"
+    return "math"
+
+
+def attention_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    kernel = _kernel(q)
+    if kernel == "math":
+        return math_forward(q, k, v, causal, scale)
+    dv = v.shape[-1]
+    v = _pad_last(v, q.shape[-1])
+    if kernel == "cpu_flash":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    else:
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    return out[..., :dv], lse
+
+
+def attention_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    kernel = _kernel(q)
+    if kernel == "math":
+        return math_backward(dout, q, k, v, out, lse, causal, scale)
+    dv_dim, d = v.shape[-1], q.shape[-1]
+    v, out, dout = _pad_last(v, d), _pad_last(out, d), _pad_last(dout, d)
+    if kernel == "cpu_flash":
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale
+        )
+    else:
+        empty = torch.empty(0, device=q.device)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, empty, empty, scale=scale
+        )
+    return dq, dk, dv[..., :dv_dim]
+
+
+def accum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Outputs, log-sum-exps and gradients accumulate in fp32 (fp64 inputs stay fp64)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _pad_last(x: torch.Tensor, size: int) -> torch.Tensor:
+    return x if x.shape[-1] == size else F.pad(x, (0, size - x.shape[-1]))
+
+
+def _grouped(q: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """[B, H, L, D] -> [B, G, H/G, L, D]: query heads grouped under the kv head they share."""
+    B, H, L, D = q.shape
+    return q.view(B, n_kv, H // n_kv, L, D)
+
+
+def _causal_mask(lq: int, lk: int, device) -> torch.Tensor:
+    return torch.ones(lq, lk, dtype=torch.bool, device=device).tril()
+
+
+def math_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Explicit fp32 attention with the log-sum-exp: the reference, and the fallback kernel."""
+    G, acc = k.shape[1], accum_dtype(q.dtype)
+    scores = torch.einsum("bgrqd,bgkd->bgrqk", _grouped(q, G).to(acc), k.to(acc)) * scale
+    if causal:
+        scores = scores.masked_fill(~_causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+    lse = scores.logsumexp(dim=-1)
+    probs = torch.exp(scores - lse[..., None])
+    out = torch.einsum("bgrqk,bgkd->bgrqd", probs, v.to(acc))
+    return out.flatten(1, 2).to(q.dtype), lse.flatten(1, 2)
+
+
+def math_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    G, acc = k.shape[1], accum_dtype(q.dtype)
+    qg, dout_g, out_g = (_grouped(t, G).to(acc) for t in (q, dout, out))
+    scores = torch.einsum("bgrqd,bgkd->bgrqk", qg, k.to(acc)) * scale
+    if causal:
+        scores = scores.masked_fill(~_causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+    probs = torch.exp(scores - _grouped(lse[..., None], G))
+    dv = torch.einsum("bgrqk,bgrqd->bgkd", probs, dout_g)
+    dprobs = torch.einsum("bgrqd,bgkd->bgrqk", dout_g, v.to(acc))
+    delta = (dout_g * out_g).sum(-1, keepdim=True)
+    dscores = probs * (dprobs - delta) * scale
+    dq = torch.einsum("bgrqk,bgkd->bgrqd", dscores, k.to(acc)).flatten(1, 2)
+    dk = torch.einsum("bgrqk,bgrqd->bgkd", dscores, qg)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class MergedAttention:
+    """fp32 accumulator of blocks over the rows of a local query buffer, merged by their lse.
+
+    out = sum_i exp(lse_i - lse) * out_i with lse = logsumexp_i(lse_i): exact, whatever the order.
+    Every row must receive at least one block (causal attention always sees its own token).
+    """
+
+    def __init__(self, q: torch.Tensor, dv: int):
+        B, H, L, _ = q.shape
+        dtype = accum_dtype(q.dtype)
+        self.out = torch.zeros(B, H, L, dv, dtype=dtype, device=q.device)
+        self.lse = torch.full((B, H, L), float("-inf"), dtype=dtype, device=q.device)
+
+    def add(self, rows: slice, out_blk: torch.Tensor, lse_blk: torch.Tensor) -> None:
+        lse_old = self.lse[:, :, rows]
+        lse_new = torch.logaddexp(lse_old, lse_blk)
+        out = self.out[:, :, rows]
+        out.mul_(torch.exp(lse_old - lse_new)[..., None])
+        out.add_(out_blk.to(out.dtype) * torch.exp(lse_blk - lse_new)[..., None])
+        self.lse[:, :, rows] = lse_new

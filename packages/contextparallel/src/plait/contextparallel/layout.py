@@ -1,0 +1,139 @@
+"""Which tokens of a sequence each cp rank holds, and which attention blocks that leaves to compute.
+
+The sequence is always cut into 2 x cp equal chunks, and rank r holds two of them:
+
+    load-balanced (head-tail, "zigzag"):  chunks r and 2cp-1-r   -- every rank gets the same
+                                                                    causal work
+    contiguous:                           chunks 2r and 2r+1     -- rank cp-1 does ~2cp-1 times
+                                                                    the work of rank 0
+
+Under causal attention a query chunk a sees key chunk b fully when b < a, its own chunk through a
+square causal mask, and nothing when b > a. `plan_blocks` turns that rule into the few kernel
+calls a (query chunks, key chunks) pair needs; blocks that are fully masked never appear.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SequenceLayout:
+    """The chunk assignment for `cp` ranks; `load_balance` picks head-tail over contiguous."""
+
+    cp: int
+    load_balance: bool = True
+
+    @property
+    def n_chunks(self) -> int:
+        return 2 * self.cp
+
+    def chunks(self, rank: int) -> tuple[int, int]:
+        """The global chunk indices rank `rank` holds, in the order it holds them (ascending)."""
+        if self.load_balance:
+            return (rank, 2 * self.cp - 1 - rank)
+        return (2 * rank, 2 * rank + 1)
+
+    def rank_order(self) -> list[int]:
+        """Global chunk index of every (rank, slot), rank-major: the order of a gather over ranks."""
+        return [c for rank in range(self.cp) for c in self.chunks(rank)]
+
+    def local_indices(self, rank: int, seq_len: int, device=None) -> torch.Tensor:
+        """Positions (int64) in the full sequence of the tokens rank `rank` holds, in its order."""
+        chunk = self.chunk_len(seq_len)
+        return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in self.chunks(rank)])
+
+    def chunk_len(self, seq_len: int) -> int:
+        if seq_len % self.n_chunks:
+            raise ValueError(f"sequence length {seq_len} is not divisible by 2 x cp = {self.n_chunks}")
+        return seq_len // self.n_chunks
+
+
+def shard_sequence(x: torch.Tensor, dim: int, rank: int, layout: SequenceLayout) -> torch.Tensor:
+    """This rank's tokens of `x` along `dim` (the full sequence), in the layout's order."""
+    chunks = x.chunk(layout.n_chunks, dim=dim)
+    if x.shape[dim] % layout.n_chunks:
+        raise ValueError(f"dim {dim} of size {x.shape[dim]} is not divisible by 2 x cp = {layout.n_chunks}")
+    return torch.cat([chunks[c] for c in layout.chunks(rank)], dim=dim)
+
+
+def unshard_sequence(shards: Sequence[torch.Tensor], dim: int, layout: SequenceLayout) -> torch.Tensor:
+    """Inverse of `shard_sequence` given every rank's shard (rank order): the full sequence."""
+    pieces = {}
+    for rank, shard in enumerate(shards):
+        for slot, chunk in zip(layout.chunks(rank), shard.chunk(2, dim=dim)):
+            pieces[slot] = chunk
+    return torch.cat([pieces[c] for c in range(layout.n_chunks)], dim=dim)
+
+
+@dataclass(frozen=True)
+class Block:
+    """One kernel call: query slots [q0, q1) against key slots [k0, k1) (slot = one chunk)."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    causal: bool  # square diagonal block (q1 - q0 == k1 - k0), causal mask top-left aligned
+
+
+def plan_blocks(q_chunks: Sequence[int], kv_chunks: Sequence[int]) -> list[Block]:
+    """The kernel calls that compute causal attention of query chunks against key chunks.
+
+    `q_chunks` and `kv_chunks` are global chunk indices in the order the local buffers hold them.
+    Masked blocks are skipped; neighbouring calls are coalesced when their keys (or queries) are
+    adjacent in the buffer, so e.g. a rank's own ascending chunks need one causal call.
+    """
+    q_chunks, kv_chunks = list(q_chunks), list(kv_chunks)
+    if q_chunks == kv_chunks and all(a < b for a, b in zip(q_chunks, q_chunks[1:])):
+        # Ascending and equal: a causal mask over local slots masks exactly the later chunks.
+        return [Block(0, len(q_chunks), 0, len(kv_chunks), True)]
+    kv_slot = {c: j for j, c in enumerate(kv_chunks)}
+    diagonal, full = [], []
+    covered: set[tuple[int, int]] = set()  # (q slot, kv slot) pairs a causal block already computes
+    # Runs of consecutive chunks held consecutively on both sides become one square causal block.
+    i = 0
+    while i < len(q_chunks):
+        if q_chunks[i] not in kv_slot:
+            i += 1
+            continue
+        j = kv_slot[q_chunks[i]]
+        n = 1
+        while (
+            i + n < len(q_chunks)
+            and j + n < len(kv_chunks)
+            and q_chunks[i + n] == q_chunks[i] + n
+            and kv_chunks[j + n] == q_chunks[i] + n
+        ):
+            n += 1
+        diagonal.append(Block(i, i + n, j, j + n, True))
+        covered.update((i + a, j + b) for a in range(n) for b in range(n))
+        i += n
+    for i, a in enumerate(q_chunks):
+        visible = [j for j, b in enumerate(kv_chunks) if b < a and (i, j) not in covered]
+        for k0, k1 in _runs(visible):
+            full.append(Block(i, i + 1, k0, k1, False))
+    return diagonal + _coalesce_queries(full)
+
+
+def _runs(slots: list[int]) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    for s in slots:
+        if runs and runs[-1][1] == s:
+            runs[-1] = (runs[-1][0], s + 1)
+        else:
+            runs.append((s, s + 1))
+    return runs
+
+
+def _coalesce_queries(blocks: list[Block]) -> list[Block]:
+    merged: list[Block] = []
+    for b in blocks:
+        for n, m in enumerate(merged):
+            if (m.k0, m.k1) == (b.k0, b.k1) and m.q1 == b.q0:
+                merged[n] = Block(m.q0, b.q1, b.k0, b.k1, False)
+                break
+        else:
+            merged.append(b)
+    return merged

@@ -1,0 +1,71 @@
+"""Ring context parallel: K/V blocks travel around the cp ranks, one hop per step.
+
+Forward, step s: rank r holds the K/V of rank r - s, starts sending it on to r + 1 (and receiving
+the next) with batch_isend_irecv, then attends its queries to the block it holds, so the transfer
+overlaps the attention. Only two K/V blocks are alive at once: memory stays O(S / cp).
+Backward: the K/V travel the same way, and each block's dK/dV accumulator (fp32) travels with
+it, every rank adding its share; one last hop returns it to the block's owner.
+With load balancing every step costs the same on every rank (half of the blocks are masked and
+never computed); without it rank r computes only the steps that bring earlier chunks.
+"""
+
+import torch
+import torch.distributed as dist
+
+from .blockwise import blocks_backward, blocks_forward
+from .comm import GRAD_TAG, KV_TAG, RingShift
+from .kernels import MergedAttention, accum_dtype
+from .layout import SequenceLayout, plan_blocks
+
+
+def _plans(layout: SequenceLayout, rank: int):
+    """(source rank, blocks) for each step: the K/V held at step s came from rank - s."""
+    return [
+        (src, plan_blocks(layout.chunks(rank), layout.chunks(src)))
+        for src in ((rank - s) % layout.cp for s in range(layout.cp))
+    ]
+
+
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, layout: SequenceLayout, scale: float):
+        rank = dist.get_rank(group)
+        d = k.shape[-1]
+        chunk = q.shape[2] // 2
+        shift = RingShift(group, KV_TAG)
+        plans = _plans(layout, rank)
+        acc = MergedAttention(q, v.shape[-1])
+        kv = torch.cat([k, v], dim=-1)
+        for step, (_, blocks) in enumerate(plans):
+            pending = shift.start(kv) if step + 1 < layout.cp else None
+            blocks_forward(acc, q, kv[..., :d], kv[..., d:], blocks, chunk, scale)
+            if pending is not None:
+                kv = pending.wait()
+        out = acc.out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, acc.lse)
+        ctx.group, ctx.layout, ctx.scale, ctx.plans = group, layout, scale, plans
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        d = k.shape[-1]
+        chunk = q.shape[2] // 2
+        dout = dout.contiguous()
+        kv_shift, grad_shift = RingShift(ctx.group, KV_TAG), RingShift(ctx.group, GRAD_TAG)
+        dq = torch.zeros(q.shape, dtype=accum_dtype(q.dtype), device=q.device)
+        kv = torch.cat([k, v], dim=-1)
+        grad_pending = None
+        for step, (_, blocks) in enumerate(ctx.plans):
+            kv_pending = kv_shift.start(kv) if step + 1 < ctx.layout.cp else None
+            dkv = torch.zeros(kv.shape, dtype=accum_dtype(q.dtype), device=q.device)
+            blocks_backward(
+                dq, dkv[..., :d], dkv[..., d:], dout, q, kv[..., :d], kv[..., d:], out, lse, blocks, chunk, ctx.scale
+            )
+            if grad_pending is not None:
+                dkv += grad_pending.wait()  # what the ranks before this one added to this block
+            grad_pending = grad_shift.start(dkv)  # on to the next holder; after the last step, home
+            if kv_pending is not None:
+                kv = kv_pending.wait()
+        dkv = grad_pending.wait()
+        return dq.to(q.dtype), dkv[..., :d].to(k.dtype), dkv[..., d:].to(v.dtype), None, None, None

@@ -1,0 +1,69 @@
+"""All-to-all (Ulysses) context parallel: trade sequence shards for head shards and back.
+
+Forward: all-to-all q, k, v from [B, heads, S/cp, D] to [B, heads/cp, S, D] (chunks put back in
+sequence order), one causal attention over the whole sequence on heads/cp heads, all-to-all the
+output back. Backward mirrors it. Needs the (tensor-parallel local) query heads divisible by cp;
+kv heads that are not are repeated to lcm(kv heads, cp) first (a copy of the local K/V only).
+"""
+
+import math
+
+import torch
+
+from .comm import all_to_all
+from .kernels import attention_backward, attention_forward
+from .layout import SequenceLayout
+
+
+def _natural(layout: SequenceLayout, device) -> torch.Tensor:
+    rank_order = layout.rank_order()
+    return torch.tensor([rank_order.index(c) for c in range(layout.n_chunks)], device=device)
+
+
+def seq_to_heads(x_BNLD: torch.Tensor, group, layout: SequenceLayout) -> torch.Tensor:
+    """[B, N, 2c, D] sequence shard -> [B, N/cp, S, D] head shard, sequence in natural order."""
+    B, N, L, D = x_BNLD.shape
+    cp = layout.cp
+    received = all_to_all(x_BNLD.unflatten(1, (cp, N // cp)).movedim(1, 0), group)  # [cp(src), B, N/cp, 2c, D]
+    slots = received.movedim(0, 2).reshape(B, N // cp, layout.n_chunks, L // 2, D)
+    return slots.index_select(2, _natural(layout, x_BNLD.device)).view(B, N // cp, cp * L, D)
+
+
+def heads_to_seq(y_BnSD: torch.Tensor, group, layout: SequenceLayout) -> torch.Tensor:
+    """Inverse of seq_to_heads: [B, N/cp, S, D] -> [B, N, 2c, D]."""
+    B, n, S, D = y_BnSD.shape
+    cp, c = layout.cp, S // layout.n_chunks
+    rank_order = torch.tensor(layout.rank_order(), device=y_BnSD.device)
+    slots = y_BnSD.view(B, n, layout.n_chunks, c, D).index_select(2, rank_order)
+    received = all_to_all(slots.view(B, n, cp, 2 * c, D).movedim(2, 0), group)  # [cp(head group), B, n, 2c, D]
+    return received.movedim(0, 1).reshape(B, cp * n, 2 * c, D)
+
+
+def kv_repeats(n_kv_heads: int, cp: int) -> int:
+    """How many times to repeat each kv head so cp divides the kv head count."""
+    return cp // math.gcd(n_kv_heads, cp)
+
+
+class UlyssesAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, layout: SequenceLayout, scale: float):
+        repeats = kv_repeats(k.shape[1], layout.cp)
+        if repeats > 1:
+            k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+        q_h, k_h, v_h = (seq_to_heads(t, group, layout) for t in (q, k, v))
+        out_h, lse_h = attention_forward(q_h, k_h, v_h, True, scale)
+        ctx.save_for_backward(q_h, k_h, v_h, out_h, lse_h)
+        ctx.group, ctx.layout, ctx.scale, ctx.repeats = group, layout, scale, repeats
+        return heads_to_seq(out_h, group, layout)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q_h, k_h, v_h, out_h, lse_h = ctx.saved_tensors
+        dout_h = seq_to_heads(dout.contiguous(), ctx.group, ctx.layout)
+        dq_h, dk_h, dv_h = attention_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, True, ctx.scale)
+        dq, dk, dv = (heads_to_seq(t, ctx.group, ctx.layout) for t in (dq_h, dk_h, dv_h))
+        if ctx.repeats > 1:
+            B, G, L, _ = dk.shape
+            dk = dk.view(B, G // ctx.repeats, ctx.repeats, L, -1).sum(2)
+            dv = dv.view(B, G // ctx.repeats, ctx.repeats, L, -1).sum(2)
+        return dq, dk, dv, None, None, None

@@ -1,0 +1,115 @@
+"""Layouts and block plans, checked on one process: every rank's blocks, merged through the lse,
+give exactly its rows of full causal attention, and their backward sums to the full gradient."""
+
+import pytest
+import torch
+
+from cp_reference import random_qkv, reference_with_grads
+from plait.contextparallel import SequenceLayout, plan_blocks, shard_sequence, unshard_sequence
+from plait.contextparallel.blockwise import blocks_backward, blocks_forward
+from plait.contextparallel.kernels import MergedAttention
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("load_balance", [True, False])
+def test_shard_unshard_and_positions(cp, load_balance):
+    layout = SequenceLayout(cp, load_balance)
+    seq = 4 * 2 * cp
+    x = torch.arange(seq).view(1, seq)
+    shards = [shard_sequence(x, 1, r, layout) for r in range(cp)]
+    assert torch.equal(unshard_sequence(shards, 1, layout), x)
+    for r in range(cp):
+        assert torch.equal(shards[r][0], layout.local_indices(r, seq))
+    held = sorted(c for r in range(cp) for c in layout.chunks(r))
+    assert held == list(range(2 * cp))
+    if load_balance:
+        assert layout.chunks(0) == (0, 2 * cp - 1)
+
+
+def _causal_pairs(layout, rank, blocks, kv_chunks, chunk):
+    """(visible, computed) token pairs of these blocks: each block's cost vs what it contributes."""
+    q_chunks = layout.chunks(rank)
+    computed = visible = 0
+    for b in blocks:
+        n = (b.q1 - b.q0) * chunk * (b.k1 - b.k0) * chunk
+        computed += (n + (b.q1 - b.q0) * chunk) // 2 if b.causal else n
+        for i in range(b.q0, b.q1):
+            for j in range(b.k0, b.k1):
+                a, c = q_chunks[i], kv_chunks[j]
+                visible += chunk * chunk if c < a else (chunk * (chunk + 1) // 2 if c == a else 0)
+    return visible, computed
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4, 8])
+def test_plans_skip_masked_blocks_and_balance_work(cp):
+    chunk = 4
+    for load_balance in (True, False):
+        layout = SequenceLayout(cp, load_balance)
+        work = []
+        for rank in range(cp):
+            total = 0
+            for src in range(cp):
+                blocks = plan_blocks(layout.chunks(rank), layout.chunks(src))
+                visible, computed = _causal_pairs(layout, rank, blocks, layout.chunks(src), chunk)
+                # A causal square computes its masked upper half only in the kernel's own tiles;
+                # every non-causal block is fully visible: nothing masked is ever computed.
+                assert all(b.causal or all(
+                    layout.chunks(src)[j] < layout.chunks(rank)[i] for i in range(b.q0, b.q1) for j in range(b.k0, b.k1)
+                ) for b in blocks)
+                assert visible <= computed
+                total += visible
+            work.append(total)
+        if load_balance:
+            assert len(set(work)) == 1, work
+        else:
+            assert work[-1] > work[0]
+    # The ring's own step is one causal call; a rank's ascending pair needs no more.
+    assert plan_blocks((1, 6), (1, 6)) == [plan_blocks((1, 6), (1, 6))[0]]
+    assert len(plan_blocks((1, 6), (1, 6))) == 1
+
+
+@pytest.mark.parametrize("method", ["allgather", "ring"])
+@pytest.mark.parametrize("cp", [2, 3, 4])
+@pytest.mark.parametrize("load_balance", [True, False])
+@pytest.mark.parametrize("heads", [(4, 2, 16, 16), (2, 2, 24, 16)])  # GQA; MLA-like Dqk != Dv
+def test_blocks_merge_to_full_attention(method, cp, load_balance, heads):
+    H, G, dqk, dv = heads
+    chunk, scale = 3, 0.37
+    S = 2 * cp * chunk
+    layout = SequenceLayout(cp, load_balance)
+    q, k, v, dout = random_qkv(2, H, G, S, dqk, dv, dtype=torch.float64)
+    ref_out, ref_dq, ref_dk, ref_dv = reference_with_grads(q, k, v, dout, scale)
+
+    outs, dqs = [], []
+    dk_full, dv_full = torch.zeros_like(k), torch.zeros_like(v)
+    for rank in range(cp):
+        q_r, dout_r = (shard_sequence(t, 2, rank, layout) for t in (q, dout))
+        if method == "allgather":
+            pieces = [(k, v, plan_blocks(layout.chunks(rank), range(2 * cp)), None)]
+        else:
+            pieces = [
+                (shard_sequence(k, 2, src, layout), shard_sequence(v, 2, src, layout),
+                 plan_blocks(layout.chunks(rank), layout.chunks(src)), src)
+                for src in range(cp)
+            ]
+        acc = MergedAttention(q_r, dv)
+        for k_p, v_p, blocks, _ in pieces:
+            blocks_forward(acc, q_r, k_p, v_p, blocks, chunk, scale)
+        out_r = acc.out.to(q.dtype)
+        outs.append(out_r)
+        dq_r = torch.zeros_like(q_r)
+        for k_p, v_p, blocks, src in pieces:
+            dk_p, dv_p = torch.zeros_like(k_p), torch.zeros_like(v_p)
+            blocks_backward(dq_r, dk_p, dv_p, dout_r, q_r, k_p, v_p, out_r, acc.lse, blocks, chunk, scale)
+            if src is None:
+                dk_full += dk_p
+                dv_full += dv_p
+            else:
+                idx = layout.local_indices(src, S)
+                dk_full[:, :, idx] += dk_p
+                dv_full[:, :, idx] += dv_p
+        dqs.append(dq_r)
+    torch.testing.assert_close(unshard_sequence(outs, 2, layout), ref_out, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(unshard_sequence(dqs, 2, layout), ref_dq, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(dk_full, ref_dk, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(dv_full, ref_dv, atol=1e-10, rtol=1e-10)
