@@ -111,8 +111,13 @@ class ParallelismConfig:
     """Sharded data-parallel degree (FSDP); -1 infers it as world_size / (dp_replicate * cp * tp)."""
     cp: int = 1
     """Context-parallel degree (needs plait-contextparallel)."""
-    cp_method: Literal["allgather", "alltoall", "ulysses"] = "allgather"
-    """Context-parallel attention: ring with all-gathered kv, ring with kv rotation, or head all-to-all."""
+    cp_method: Literal["allgather", "ring", "ulysses"] = "allgather"
+    """Context-parallel attention: allgather (gather K/V once per layer), ring (K/V blocks passed
+    around the cp ranks, overlapped with attention, memory O(seq_len / cp)), or ulysses (all-to-all
+    from sequence to head shards; heads / tp must be divisible by cp)."""
+    cp_load_balance: bool = True
+    """Under CP, shard each sequence head-tail (rank r holds chunks r and 2cp-1-r of 2cp) so every
+    rank does the same causal attention work; false: contiguous shards."""
     tp: int = 1
     """Tensor-parallel degree (needs plait-tensorparallel)."""
     sequence_parallel: bool = True

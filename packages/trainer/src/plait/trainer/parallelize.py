@@ -1,4 +1,5 @@
-"""Model on meta -> tensor parallel -> activation checkpointing -> compile per block -> data parallel.
+"""Model on meta -> tensor parallel -> context parallel -> activation checkpointing -> compile per
+block -> data parallel.
 
 Initial weights are the same on every layout: with `full_init` (the default whenever the fp32
 model fits in a few GiB) every rank materialises the whole model on its device, seeds the RNG
@@ -18,7 +19,7 @@ from plait.mesh import Meshes, ParallelConfigError
 
 from .activation_checkpoint import apply_activation_checkpointing
 from .config import Config, ConfigError
-from .validate import RunPlan, tp_config
+from .validate import RunPlan, cp_config, tp_config
 
 
 @dataclass
@@ -28,6 +29,7 @@ class ParallelModel:
     dp_mode: str  # none, fsdp, hsdp, replicate, ddp
     autocast: contextlib.AbstractContextManager | None  # for forward + loss, or None
     loss_parallel: bool
+    cp_layout: object | None = None  # plait.contextparallel.SequenceLayout the batch is sharded in
 
 
 def _dtype(config: Config) -> torch.dtype:
@@ -80,7 +82,11 @@ def _parallelize(config: Config, plan: RunPlan, meshes: Meshes, device: torch.de
         tp_cfg = tp_config(tp, config)
         tp.apply_tensor_parallel(model, meshes.tp, info["tp_plan"], tp_cfg)
         loss_parallel = tp.uses_loss_parallel(info["tp_plan"], tp_cfg, meshes.dims.tp)
-    # cp and ep: validation has already refused them until their packages provide an entry point.
+    cp_layout = None
+    if meshes.dims.cp > 1:
+        cp = plan.parallel_modules["cp"]
+        cp_layout = cp.apply_context_parallel(model, meshes.cp, info["attention_modules"], cp_config(cp, config))
+    # ep: validation has already refused it until its package provides an entry point.
 
     apply_activation_checkpointing(
         model, blocks, config.training.activation_checkpoint, config.training.activation_checkpoint_every
@@ -112,4 +118,4 @@ def _parallelize(config: Config, plan: RunPlan, meshes: Meshes, device: torch.de
         elif dp_mode == "none":
             # Tensor parallel alone has no sharding policy to cast parameters: autocast instead.
             autocast = torch.autocast(device.type, dtype=dtype)
-    return ParallelModel(wrapped, model, dp_mode, autocast, loss_parallel)
+    return ParallelModel(wrapped, model, dp_mode, autocast, loss_parallel, cp_layout)

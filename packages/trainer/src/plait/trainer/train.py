@@ -30,9 +30,15 @@ class TrainingDiverged(RuntimeError):
     """The loss or gradient norm became NaN/inf; the message names the step and what to try."""
 
 
+IGNORE_INDEX = -100
+
+
 def cross_entropy_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy in fp32 (labels = -100 are ignored)."""
-    return F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten(0, 1))
+    """Summed token cross-entropy in fp32 (labels = -100 are ignored); the caller divides by the
+    global number of valid tokens."""
+    return F.cross_entropy(
+        logits_BSV.flatten(0, 1).float(), labels_BS.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
 
 
 def _set_determinism(config: Config) -> None:
@@ -168,25 +174,48 @@ class Trainer:
 
     # ---- one step ---------------------------------------------------------------------------
 
+    def _local_batch(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor):
+        """(tokens, labels, positions) this rank computes: under context parallel its share of every
+        sequence in the load-balanced order, with the global positions of those tokens."""
+        inputs_BS = inputs_BS.to(self.device, non_blocking=True)
+        labels_BS = labels_BS.to(self.device, non_blocking=True)
+        layout = self.pm.cp_layout
+        if layout is None:
+            return inputs_BS, labels_BS, None
+        from plait.contextparallel import shard_sequence
+
+        cp_rank = self.meshes.cp.get_local_rank()
+        positions_S = layout.local_indices(cp_rank, inputs_BS.shape[1], device=self.device)
+        return shard_sequence(inputs_BS, 1, cp_rank, layout), shard_sequence(labels_BS, 1, cp_rank, layout), positions_S
+
+    def _global_token_count(self, labels: list[torch.Tensor]) -> torch.Tensor:
+        """Valid labels over every micro-batch and every dp x cp rank (one all-reduce, no host sync)."""
+        count = torch.stack([(lab != IGNORE_INDEX).sum() for lab in labels]).sum().float()
+        if self.meshes.dp_cp is not None:
+            dist.all_reduce(count, group=self.meshes.dp_cp.get_group())
+        return count.clamp(min=1.0)
+
     def train_step(self, micro_batches) -> tuple[torch.Tensor, torch.Tensor]:
         accumulation = len(micro_batches)
         step_loss = torch.zeros((), device=self.device)
         autocast = self.pm.autocast or contextlib.nullcontext()
-        for inputs_BS, labels_BS in micro_batches:
-            inputs_BS = inputs_BS.to(self.device, non_blocking=True)
-            labels_BS = labels_BS.to(self.device, non_blocking=True)
+        batches = [self._local_batch(inputs_BS, labels_BS) for inputs_BS, labels_BS in micro_batches]
+        # Data parallel averages gradients over the dp x cp ranks; scaling each rank's loss sum by
+        # ranks / (valid tokens of the global batch) makes the step's gradient the mean over every
+        # valid token, however they are split over ranks, micro-batches and ignored labels.
+        ranks = self.meshes.dp_cp.size() if self.meshes.dp_cp is not None else 1
+        scale = ranks / self._global_token_count([labels for _, labels, _ in batches])
+        for inputs_BS, labels_BS, positions in batches:
             with self.loss_context():
                 with autocast:
-                    logits_BSV = self.model(inputs_BS)
-                    loss = self.loss_fn(logits_BSV, labels_BS)
-                    total = (loss + self.aux_loss(self.pm.inner)) if self.aux_loss else loss
-                # Each micro-batch's mean scaled by 1/accumulation: the step's gradient is the
-                # mean over the global batch (data parallel averages over ranks).
-                (total / accumulation).backward()
+                    logits_BSV = self.model(inputs_BS, positions)
+                    loss = self.loss_fn(logits_BSV, labels_BS) * scale
+                    total = (loss + self.aux_loss(self.pm.inner) / accumulation) if self.aux_loss else loss
+                total.backward()
             detached = loss.detach()
             if isinstance(detached, DTensor):
                 detached = detached.full_tensor()
-            step_loss += detached / accumulation
+            step_loss += detached
         params = list(self.pm.inner.parameters())
         max_norm = self.config.training.max_norm
         norm = clip_grad_norm_(params, max_norm, foreach=True) if max_norm > 0 else grad_norm(params, foreach=True)
@@ -201,20 +230,23 @@ class Trainer:
     def validate_loss(self) -> float:
         c = self.config
         loader = _build_loader(c, self.plan, self.meshes, c.data.val_dataset, "validation", 1)
-        total, n = torch.zeros((), device=self.device), 0
+        # [loss sum, valid tokens] over every batch and every dp x cp rank: the token-weighted mean.
+        totals = torch.zeros(2, device=self.device)
         autocast = self.pm.autocast or contextlib.nullcontext()
+        n = 0
         for micro_batches in loader:
             for inputs_BS, labels_BS in micro_batches:
+                inputs_BS, labels_BS, positions = self._local_batch(inputs_BS, labels_BS)
                 with self.loss_context(), autocast:
-                    loss = cross_entropy_loss(self.model(inputs_BS.to(self.device)), labels_BS.to(self.device))
-                total += loss.full_tensor() if isinstance(loss, DTensor) else loss
+                    loss = cross_entropy_loss(self.model(inputs_BS, positions), labels_BS)
+                totals[0] += loss.full_tensor() if isinstance(loss, DTensor) else loss
+                totals[1] += (labels_BS != IGNORE_INDEX).sum()
                 n += 1
             if n >= c.data.val_steps:
                 break
         if self.meshes.dp_cp is not None:
-            dist.all_reduce(total, group=self.meshes.dp_cp.get_group())
-            total /= self.meshes.dp_cp.size()
-        return total.item() / max(1, n)
+            dist.all_reduce(totals, group=self.meshes.dp_cp.get_group())
+        return (totals[0] / totals[1].clamp(min=1)).item()
 
     # ---- the loop ---------------------------------------------------------------------------
 

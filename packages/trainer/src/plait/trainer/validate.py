@@ -210,6 +210,8 @@ def validate(config: Config, world_size: int | None = None) -> RunPlan:
         )
     if dims.tp > 1:
         _validate_tp(parallel_modules["tp"], model, info, dims, config)
+    if dims.cp > 1:
+        _validate_cp(parallel_modules["cp"], model_args, info, dims, config)
 
     n_bytes = sum(p.numel() for p in model.parameters()) * 4
     full_init = config.model.init == "full" or (config.model.init == "auto" and n_bytes <= FULL_INIT_MAX_BYTES)
@@ -224,6 +226,27 @@ def _validate_tp(tp_module, model: nn.Module, info: dict, dims: ParallelDims, co
         tp_module.validate_tensor_parallel(info, dims.tp, config.training.seq_len, tp_config(tp_module, config))
     except ValueError as e:  # TensorParallelConfigError and ParallelConfigError are ValueErrors
         raise ConfigError(str(e).splitlines()[0]) from None
+
+
+def _validate_cp(cp_module, model_args, info: dict, dims: ParallelDims, config: Config) -> None:
+    try:
+        cp_module.validate_context_parallel(info, dims.cp, config.training.seq_len, cp_config(cp_module, config), dims.tp)
+    except ValueError as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
+    if getattr(model_args, "aux_loss_coeff", 0.0) > 0:
+        # The sequence-wise balance loss needs whole-sequence routing statistics; under CP each
+        # rank routes a part of every sequence.
+        raise ConfigError(
+            f"parallelism.cp = {dims.cp} with the sequence-wise MoE aux loss (aux_loss_coeff = "
+            f"{model_args.aux_loss_coeff}) is not supported yet: set parallelism.cp = 1 or aux_loss_coeff = 0 "
+            "(the aux-loss-free bias balancing is exact under CP)."
+        )
+
+
+def cp_config(cp_module, config: Config):
+    """plait.contextparallel's config from the [parallelism] section."""
+    p = config.parallelism
+    return cp_module.ContextParallelConfig(method=p.cp_method, load_balance=p.cp_load_balance)
 
 
 def tp_config(tp_module, config: Config):

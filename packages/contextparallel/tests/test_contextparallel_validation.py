@@ -1,0 +1,30 @@
+"""Bad context-parallel settings fail locally (before any collective) with one line naming the fix."""
+
+import pytest
+
+from plait.contextparallel import ContextParallelConfig, validate_context_parallel
+from plait.mesh import ParallelConfigError
+
+INFO = {"attention_modules": ["layers.0.attention.sdpa"], "attention_heads": {"n_heads": 16, "n_kv_heads": 8}}
+
+
+@pytest.mark.parametrize(
+    "info, cp, seq_len, config, tp, match",
+    [
+        (INFO, 2, 102, ContextParallelConfig(), 1, r"training.seq_len = 102 is not divisible by 2 x parallelism.cp = 4"),
+        (INFO, 4, 2048, ContextParallelConfig("zigzag"), 1, r"parallelism.cp_method = 'zigzag'"),
+        (INFO, 4, 2048, ContextParallelConfig("ulysses"), 8, r"16 attention heads over tp x cp = 32"),
+        ({"attention_modules": []}, 2, 64, ContextParallelConfig(), 1, r"needs the attention contract"),
+        ({"attention_modules": ["a.sdpa"]}, 2, 64, ContextParallelConfig("ulysses"), 1, r"needs the model's head count"),
+    ],
+)
+def test_bad_settings_name_the_fix(info, cp, seq_len, config, tp, match):
+    with pytest.raises(ParallelConfigError, match=match) as err:
+        validate_context_parallel(info, cp, seq_len, config, tp=tp)
+    assert "\n" not in str(err.value)
+
+
+def test_good_settings_pass():
+    for method in ("allgather", "ring", "ulysses"):
+        validate_context_parallel(INFO, 4, 2048, ContextParallelConfig(method), tp=4)
+        validate_context_parallel(INFO, 2, 64, ContextParallelConfig(method, load_balance=False), tp=1)
