@@ -1,0 +1,75 @@
+"""The trainer with context parallel (a package plait-trainer does not declare): `plait-train
+--parallelism.cp 2` matches one rank for each method, bad CP layouts fail on every rank before
+any collective with one line, and the shipped 64K-token config validates at its layout."""
+
+import dataclasses
+
+import pytest
+
+from plait.trainer.config import ConfigError, build_config, load_toml
+from plait.trainer.testing import losses, run_cli
+from plait.trainer.validate import validate
+
+# fmt: off
+COMMON = [
+    "--training.steps", "4",
+    "--training.seq_len", "64",
+    "--training.local_batch_size", "2",
+    "--training.dtype", "float32",
+    "--training.deterministic", "true",
+    "--lr_scheduler.warmup_steps", "2",
+    "--optimizer.lr", "3e-3",
+    "--metrics.log_freq", "4",
+    "--metrics.cpu_peak_tflops", "0.1",
+]
+# fmt: on
+
+
+@pytest.mark.parametrize(
+    "model, method", [("llama3", "allgather"), ("llama3", "ring"), ("llama3", "ulysses"), ("deepseek_v3", "ring")]
+)
+def test_trainer_context_parallel_matches_one_rank(model, method, tmp_path_factory):
+    flavor = ["--model.name", model, "--model.flavor", "debugmodel"]
+    one = tmp_path_factory.getbasetemp() / f"one_{model}"
+    if not (one / "metrics.jsonl").exists():
+        run_cli(one, *COMMON, *flavor)
+    cp = tmp_path_factory.mktemp(f"cp2_{model}_{method}")
+    result = run_cli(
+        cp, *COMMON, *flavor, "--nproc-per-node", "2", "--parallelism.cp", "2", "--parallelism.cp_method", method,
+        timeout=300,
+    )
+    assert "cp=2" in result.stdout
+    assert losses(cp) == pytest.approx(losses(one), abs=1e-5, rel=0)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--training.seq_len", "66"], "training.seq_len = 66 is not divisible by 2 x parallelism.cp = 4"),
+        (["--parallelism.cp_method", "zigzag"], "parallelism.cp_method"),
+    ],
+)
+def test_bad_context_parallel_layouts_fail_on_every_rank(args, message, tmp_path):
+    result = run_cli(tmp_path, "--nproc-per-node", "2", "--parallelism.cp", "2", *args, expect=None, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    # The launcher reports the first failing rank's one line; no rank reached a collective.
+    assert "Timed out" not in result.stderr
+
+
+def test_ulysses_heads_not_divisible_by_tp_x_cp_is_refused():
+    config = build_config({"parallelism": {"cp": 4, "tp": 8, "dp_shard": 1, "cp_method": "ulysses"},
+                           "training": {"seq_len": 64}})
+    with pytest.raises(ConfigError, match=r"splits the 16 attention heads over tp x cp = 32"):
+        validate(config, world_size=32)
+
+
+def test_shipped_64k_config_validates_at_its_layout():
+    config = build_config(load_toml("llama3_8B_64k_cp.toml"))
+    assert config.training.seq_len == 65536 and config.parallelism.cp == 8
+    # Everything but the tokenizer file (downloaded with the release) is checked as shipped.
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, tokenizer_path=""))
+    plan = validate(config, world_size=64)
+    assert plan.dims.cp == 8 and plan.dims.dp_shard == 8
+    assert "contextparallel" in plan.parallel_modules["cp"].__name__
