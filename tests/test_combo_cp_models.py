@@ -18,7 +18,12 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from plait.contextparallel import ContextParallelConfig, apply_context_parallel, shard_sequence, validate_context_parallel
+from plait.contextparallel import (
+    ContextParallelConfig,
+    apply_context_parallel,
+    shard_sequence,
+    validate_context_parallel,
+)
 from plait.dataparallel import DataParallelConfig, apply_data_parallel
 from plait.mesh import ParallelDims, build_meshes, clip_grad_norm_
 from plait.mesh.testing import run_on_ranks

@@ -10,8 +10,8 @@ import itertools
 
 import pytest
 import torch
-
 from cp_reference import random_qkv, reference_with_grads
+
 from plait.contextparallel import ContextParallelAttention, SequenceLayout, shard_sequence
 from plait.mesh import ParallelDims, build_meshes
 from plait.mesh.testing import run_on_ranks

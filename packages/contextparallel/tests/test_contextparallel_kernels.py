@@ -3,9 +3,15 @@ GQA without copies, MLA's Dqk != Dv, inputs laid out as the models pass them (tr
 
 import pytest
 import torch
-
 from cp_reference import random_qkv, reference_with_grads
-from plait.contextparallel.kernels import MergedAttention, attention_backward, attention_forward, math_backward, math_forward
+
+from plait.contextparallel.kernels import (
+    MergedAttention,
+    attention_backward,
+    attention_forward,
+    math_backward,
+    math_forward,
+)
 
 SHAPES = {"gqa": (4, 2, 16, 16), "mha": (2, 2, 16, 16), "mla": (2, 2, 24, 16)}
 

@@ -3,8 +3,8 @@ give exactly its rows of full causal attention, and their backward sums to the f
 
 import pytest
 import torch
-
 from cp_reference import random_qkv, reference_with_grads
+
 from plait.contextparallel import SequenceLayout, plan_blocks, shard_sequence, unshard_sequence
 from plait.contextparallel.blockwise import blocks_backward, blocks_forward
 from plait.contextparallel.kernels import MergedAttention
