@@ -74,7 +74,7 @@ def _memory(rank, world_size, method, layers, seq_len):
     with tracker:
         forward_backward()
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
-    return {str(k).split(".")[-1].lower(): v for k, v in peak.items()}
+    return {str(getattr(k, "value", k)).lower(): v for k, v in peak.items()}
 
 
 def _throughput(rank, world_size, method, layers, seq_len, steps, threads):
@@ -94,7 +94,8 @@ def _row(label, peak, base):
     act = peak.get("activation", 0) + peak.get("temp", 0)
     base_act = base.get("activation", 0) + base.get("temp", 0)
     return (
-        f"| {label} | {peak.get('total', 0) / GiB:.3f} | {(peak.get('parameter', 0) + peak.get('gradient', 0)) / GiB:.3f} "
+        f"| {label} | {peak.get('total', 0) / GiB:.3f} "
+        f"| {(peak.get('parameter', 0) + peak.get('gradient', 0) + peak.get('optstate', 0)) / GiB:.3f} "
         f"| {act / GiB:.3f} | {act / base_act:.2f} |"
     )
 
@@ -114,7 +115,7 @@ def main():
 
     print(f"Llama 3 debug, {args.layers} layers, seq_len {args.seq_len}, batch 1, fp32, {cores} cores, torch {torch.__version__}")
     print("\n## Peak memory per rank, one forward + backward (MemTracker; GiB)\n")
-    print("| cp x method | total | params + grads | activations + temps | act. vs cp 1 |")
+    print("| cp x method | total | params + grads + optimizer | activations + temps | act. vs cp 1 |")
     print("| --- | ---: | ---: | ---: | ---: |")
     base = None
     for cp, method in configs:
