@@ -96,6 +96,11 @@ def test_router_scores_and_counts(score_func):
     torch.testing.assert_close(top_scores, expected_scores / expected_scores.sum(-1, keepdim=True) * 2.5)
     assert torch.equal(counts, torch.bincount(selected.flatten(), minlength=8))
     assert torch.equal(router.tokens_per_expert, counts.float())
+    # Evaluation forwards route the same way but never count into the load-balance statistics.
+    router.eval()
+    _, selected_eval, counts_eval = router(x)
+    assert torch.equal(selected_eval, selected) and torch.equal(counts_eval, counts)
+    assert torch.equal(router.tokens_per_expert, counts.float())
 
 
 def test_expert_bias_changes_selection_not_weights():

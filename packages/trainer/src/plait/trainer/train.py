@@ -228,6 +228,15 @@ class Trainer:
 
     @torch.no_grad()
     def validate_loss(self) -> float:
+        # Eval mode: MoE routers do not count these tokens into the load-balance update, and nothing
+        # else a training forward records (aux losses) is touched.
+        self.model.eval()
+        try:
+            return self._validation_loss()
+        finally:
+            self.model.train()
+
+    def _validation_loss(self) -> float:
         c = self.config
         loader = _build_loader(c, self.plan, self.meshes, c.data.val_dataset, "validation", 1)
         # [loss sum, valid tokens] over every batch and every dp x cp rank: the token-weighted mean.

@@ -102,8 +102,10 @@ class TokenChoiceTopKRouter(nn.Module):
         num_tokens_per_expert_E = torch.zeros(self.num_experts, dtype=torch.int64, device=x_TD.device).scatter_add_(
             0, selected_experts_TK.flatten(), torch.ones_like(selected_experts_TK.flatten())
         )
-        with torch.no_grad():
-            self.tokens_per_expert.add_(num_tokens_per_expert_E)
+        if self.training:
+            # Only training forwards feed the load-balance bias: an evaluation must not move it.
+            with torch.no_grad():
+                self.tokens_per_expert.add_(num_tokens_per_expert_E)
 
         if self.aux_loss_coeff > 0 and self.training:
             self.aux_loss = self._sequence_balance_loss(scores_TE, selected_experts_TK, num_seqs)
