@@ -15,11 +15,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from plait.dataparallel import DataParallelConfig, apply_data_parallel
 from plait.mesh import ParallelDims, build_meshes, clip_grad_norm_
 from plait.mesh.testing import run_on_ranks
+from plait.models.moe import moe_aux_loss
 from plait.tensorparallel import (
     TensorParallelConfig,
     apply_tensor_parallel,
@@ -33,6 +34,8 @@ deepseek_v3 = pytest.importorskip("plait.models.deepseek_v3")
 
 BATCH, SEQ, STEPS, LR, MAX_NORM = 4, 64, 5, 0.1, 1.0
 MODELS = ("llama3", "deepseek_v3")
+AUX_MODEL = "deepseek_v3_aux"  # DeepSeek-V3 with the sequence-wise aux loss, on the layouts below
+AUX_LAYOUTS = ("tp4_sp_lp", "tp2_sp", "fsdp2_tp2_sp_lp", "hsdp2x2_tp2_sp_lp")
 
 # name -> (ParallelDims degrees, sequence_parallel, loss_parallel, data parallel). TP 2 on 4 ranks
 # fills the world with dp_shard = 2 but applies no data parallel: every rank sees the whole batch.
@@ -52,8 +55,11 @@ LAYOUTS_8 = {
 def _args(name: str):
     if name == "llama3":
         return dataclasses.replace(llama3.FLAVORS["debugmodel"], n_layers=2, max_seq_len=SEQ)
-    # One dense block, one MoE block.
-    return dataclasses.replace(deepseek_v3.FLAVORS["debugmodel"], n_layers=2, n_dense_layers=1, max_seq_len=SEQ)
+    # One dense block, one MoE block; "deepseek_v3_aux" adds the sequence-wise aux loss.
+    aux = 0.01 if name == "deepseek_v3_aux" else 0.0
+    return dataclasses.replace(
+        deepseek_v3.FLAVORS["debugmodel"], n_layers=2, n_dense_layers=1, max_seq_len=SEQ, aux_loss_coeff=aux
+    )
 
 
 def _module(name: str):
@@ -80,7 +86,7 @@ def _batches(name: str):
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
 
 
-def _train(name, model, loss_parallel=False, dp_rank=0, dp_degree=1, dp_group=None):
+def _train(name, model, loss_parallel=False, dp_rank=0, dp_degree=1, dp_group=None, tp=1):
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     per = BATCH // dp_degree
     losses = []
@@ -89,7 +95,15 @@ def _train(name, model, loss_parallel=False, dp_rank=0, dp_degree=1, dp_group=No
         with loss_parallel_context(loss_parallel):
             logits = model(tokens[rows])
             loss = F.cross_entropy(logits.float().flatten(0, 1), labels[rows].flatten())
-            loss.backward()
+            # The aux loss is computed on every TP rank inside the MoE's TP region, whose entry sums
+            # the ranks' gradients: each rank adds 1/tp of it (what the trainer does).
+            if name == AUX_MODEL:
+                aux = moe_aux_loss(model) / tp
+                if isinstance(loss, DTensor):  # loss parallel: a replicated DTensor loss
+                    aux = DTensor.from_local(aux, loss.device_mesh, [Replicate()], run_check=False)
+                (loss + aux).backward()
+            else:
+                loss.backward()
         clip_grad_norm_(model.parameters(), MAX_NORM)
         opt.step()
         opt.zero_grad()
@@ -123,26 +137,28 @@ def _run_one(rank, world_size, name, degrees, sp, lp, data_parallel):
     set_model_state_dict(model, _seed_model(name).state_dict(), options=StateDictOptions(full_state_dict=True))
     lp_on = uses_loss_parallel(plan, config, dims.tp)
     if data_parallel:
-        losses = _train(name, model, lp_on, meshes.dp_rank, meshes.dp_degree, meshes.dp.get_group())
+        losses = _train(name, model, lp_on, meshes.dp_rank, meshes.dp_degree, meshes.dp.get_group(), tp=dims.tp)
     else:
-        losses = _train(name, model, lp_on)
+        losses = _train(name, model, lp_on, tp=dims.tp)
     params = _full(model)
     return dict(losses=losses, params=params if rank == 0 else None)
 
 
+def _runs(layouts):
+    """(model, layout) pairs: both models on every layout, the aux-loss model on AUX_LAYOUTS."""
+    pairs = [(name, layout) for name in MODELS for layout in layouts]
+    return pairs + [(AUX_MODEL, layout) for layout in layouts if layout in AUX_LAYOUTS]
+
+
 def _run_layouts(rank, world_size, layouts):
     torch.manual_seed(1234)
-    return {
-        (name, layout): _run_one(rank, world_size, name, *spec)
-        for name in MODELS
-        for layout, spec in layouts.items()
-    }
+    return {(name, layout): _run_one(rank, world_size, name, *layouts[layout]) for name, layout in _runs(layouts)}
 
 
 @pytest.fixture(scope="module")
 def references():
     out = {}
-    for name in MODELS:
+    for name in (*MODELS, AUX_MODEL):
         model = _seed_model(name)
         out[name] = dict(losses=_train(name, model), params=_full(model))
     return out
@@ -150,11 +166,11 @@ def references():
 
 def _check(results, references, layouts):
     for rank_result in results:
-        for (name, layout) in ((n, lay) for n in MODELS for lay in layouts):
+        for name, layout in _runs(layouts):
             ref = references[name]
             got = rank_result[name, layout]
             assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5), (name, layout)
-    for (name, layout) in ((n, lay) for n in MODELS for lay in layouts):
+    for name, layout in _runs(layouts):
         ref, got = references[name]["params"], results[0][name, layout]["params"]
         assert set(got) == set(ref)
         for key in ref:

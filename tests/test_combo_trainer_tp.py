@@ -21,9 +21,14 @@ COMMON = [
 # fmt: on
 
 
-@pytest.mark.parametrize("model", ["llama3", "deepseek_v3"])
-def test_trainer_tensor_parallel_matches_one_rank(model, tmp_path):
-    flavor = ["--model.name", model, "--model.flavor", "debugmodel"]
+@pytest.mark.parametrize(
+    "model, extra",
+    [("llama3", []), ("deepseek_v3", []), ("deepseek_v3", ["--model.aux_loss_coeff", "0.01"])],
+    ids=["llama3", "deepseek_v3", "deepseek_v3_aux_loss"],
+)
+def test_trainer_tensor_parallel_matches_one_rank(model, extra, tmp_path):
+    # With the sequence-wise aux loss on, its gradient must arrive once, not once per TP rank.
+    flavor = ["--model.name", model, "--model.flavor", "debugmodel", *extra]
     run_cli(tmp_path / "one", *COMMON, *flavor)
     # tp = 2 with sequence and loss parallel: both ranks see the same batch of 4.
     result = run_cli(tmp_path / "tp2", *COMMON, *flavor, "--nproc-per-node", "2", "--parallelism.tp", "2", timeout=300)

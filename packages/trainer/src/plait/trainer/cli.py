@@ -169,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         config = build_config(load_toml(args.config or DEFAULT_CONFIG), args.overrides)
         if args.print_config:
-            print(to_toml(config, with_docs=True))
+            from .validate import model_args_dict, resolve_model_args
+
+            print(to_toml(config, with_docs=True, model_args=model_args_dict(resolve_model_args(config))))
             return 0
         if args.nproc_per_node > 1 and not _under_launcher():
             from .validate import validate

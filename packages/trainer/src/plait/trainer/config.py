@@ -51,6 +51,9 @@ class ModelConfig:
     sharded: materialise only the local shards and init them (needed when the full model does not
     fit one device; DTensor random init, bitwise parity with 1 rank not promised on CPU). auto: full
     when the fp32 model takes under 8 GiB, else sharded."""
+    args: dict = field(default_factory=dict)
+    """Overrides of the flavor's model arguments: every other [model] key / --model.<field> (e.g.
+    max_seq_len, n_layers, aux_loss_coeff), checked against the flavor's ModelArgs."""
 
 
 @dataclass
@@ -320,8 +323,13 @@ def _closest(name: str, candidates: list[str]) -> str:
     return f" Did you mean {match[0]}?" if match else f" Valid: {', '.join(candidates)}."
 
 
+def _plain_fields(cls: type) -> list:
+    """The fields that are config keys (ModelConfig.args holds model arguments instead)."""
+    return [f for f in fields(cls) if f.name != "args"]
+
+
 def all_keys() -> list[str]:
-    return [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in fields(cls)]
+    return [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in _plain_fields(cls)]
 
 
 def _field_types(cls: type) -> dict[str, Any]:
@@ -336,6 +344,10 @@ def set_value(config: Config, key: str, value: Any) -> None:
         raise ConfigError(f"unknown config key {key!r}.{_closest(key, all_keys())}")
     cls = SECTIONS[section]
     types_ = _field_types(cls)
+    if section == "model" and (name not in types_ or name == "args"):
+        # A model argument: its name and type are checked against the flavor's ModelArgs in validation.
+        config.model.args[name] = value
+        return
     if name not in types_:
         raise ConfigError(f"unknown config key {key!r}.{_closest(key, all_keys())}")
     setattr(getattr(config, section), name, coerce(key, types_[name], value))
@@ -391,18 +403,30 @@ def _toml_value(value: Any) -> str:
         return repr(value)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
     return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def to_toml(config: Config, with_docs: bool = False) -> str:
+def to_toml(config: Config, with_docs: bool = False, model_args: dict | None = None) -> str:
+    """The config as TOML. `model_args` (the flavor's effective arguments) are written as [model]
+    keys; without it only the overrides in `config.model.args` are."""
     lines = []
     for section, cls in SECTIONS.items():
         lines.append(f"[{section}]")
         docs = field_docs(cls)
-        for f in fields(cls):
+        for f in _plain_fields(cls):
             if with_docs and f.name in docs:
                 lines.append(f"# {docs[f.name]}")
             lines.append(f"{f.name} = {_toml_value(getattr(getattr(config, section), f.name))}")
+        if section == "model":
+            args = model_args if model_args is not None else config.model.args
+            if args and with_docs:
+                lines.append(f"# Model arguments ({'the flavor with overrides' if model_args else 'overrides'}); "
+                             "any of them can be set here or as --model.<field>.")
+            for name, value in args.items():
+                # TOML has no null: an argument left at None is shown commented out.
+                lines.append(f"# {name} = none" if value is None else f"{name} = {_toml_value(value)}")
         lines.append("")
     return "\n".join(lines)
 
@@ -418,12 +442,15 @@ def help_text() -> str:
         docs = field_docs(cls)
         types_ = _field_types(cls)
         default = cls()
-        for f in fields(cls):
+        for f in _plain_fields(cls):
             out.append(
                 f"  --{section}.{f.name} {_type_name(types_[f.name]).upper() if types_[f.name] in (int, float, str, bool) else _type_name(types_[f.name])}"
                 f"  (default: {_toml_value(getattr(default, f.name))})"
             )
             if f.name in docs:
                 out.append(f"      {docs[f.name]}")
+        if section == "model":
+            out.append("  --model.<field> VALUE  (default: the flavor's)")
+            out.append(f"      {docs['args']} --print-config lists them.")
         out.append("")
     return "\n".join(out)

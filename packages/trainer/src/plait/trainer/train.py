@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from plait.mesh import build_meshes, clip_grad_norm_, destroy_distributed, grad_norm, init_distributed
 
@@ -93,8 +93,15 @@ def _moe_hooks(model, model_args, meshes):
         if coeff:
             update_moe_load_balance(model, coeff, reduce_counts=reduce_counts)
 
-    aux = moe_aux_loss if getattr(model_args, "aux_loss_coeff", 0.0) else None
-    return aux, after_step
+    tp = meshes.dims.tp
+
+    def aux(model):
+        # Every TP rank computes the same aux loss inside the MoE's TP region, whose entry sums the
+        # ranks' input gradients: each rank contributes 1/tp, so the gradient arrives exactly once.
+        loss = moe_aux_loss(model)
+        return loss / tp if tp > 1 else loss
+
+    return (aux if getattr(model_args, "aux_loss_coeff", 0.0) else None), after_step
 
 
 def _build_loader(config: Config, plan: RunPlan, meshes, dataset: str, split: str, accumulation: int):
@@ -195,6 +202,13 @@ class Trainer:
             dist.all_reduce(count, group=self.meshes.dp_cp.get_group())
         return count.clamp(min=1.0)
 
+    def _aux(self, loss: torch.Tensor, accumulation: int) -> torch.Tensor:
+        aux = self.aux_loss(self.pm.inner) / accumulation
+        if isinstance(loss, DTensor) and not isinstance(aux, DTensor):
+            # Loss parallel makes the loss a replicated DTensor; the aux loss joins it as one.
+            aux = DTensor.from_local(aux, loss.device_mesh, [Replicate()], run_check=False)
+        return aux
+
     def train_step(self, micro_batches) -> tuple[torch.Tensor, torch.Tensor]:
         accumulation = len(micro_batches)
         step_loss = torch.zeros((), device=self.device)
@@ -210,7 +224,7 @@ class Trainer:
                 with autocast:
                     logits_BSV = self.model(inputs_BS, positions)
                     loss = self.loss_fn(logits_BSV, labels_BS) * scale
-                    total = (loss + self.aux_loss(self.pm.inner) / accumulation) if self.aux_loss else loss
+                    total = loss + self._aux(loss, accumulation) if self.aux_loss else loss
                 total.backward()
             detached = loss.detach()
             if isinstance(detached, DTensor):

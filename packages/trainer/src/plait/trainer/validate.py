@@ -4,10 +4,13 @@ A bad setting then stops every rank at once with a message naming the setting, i
 rank raising while the others hang in a collective.
 """
 
+import dataclasses
 import difflib
 import importlib
 import importlib.util
 import os
+import types
+import typing
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +19,7 @@ from torch import nn
 
 from plait.mesh import ParallelConfigError, ParallelDims
 
-from .config import Config, ConfigError
+from .config import Config, ConfigError, coerce
 
 # Parallelisms that live in optional packages: degree field -> (import name, pip name, entry point).
 OPTIONAL_PARALLEL = {
@@ -106,6 +109,39 @@ def _check_positive(config: Config) -> None:
         raise ConfigError("data.val_interval is set but data.val_dataset is empty: name a validation dataset.")
 
 
+def _check_data_parallel(config: Config, dims: ParallelDims) -> None:
+    p = config.parallelism
+    if p.replicate_impl != "ddp" or dims.dp_replicate == 1:
+        return
+    others = {k: getattr(dims, k) for k in ("dp_shard", "cp", "tp", "ep") if getattr(dims, k) > 1}
+    if others:
+        raise ConfigError(
+            f"parallelism.replicate_impl = 'ddp' does not compose with {others}: DDP only replicates plain "
+            "tensors. Use parallelism.replicate_impl = 'fsdp'."
+        )
+    if config.training.dtype != "float32":
+        raise ConfigError(
+            f"parallelism.replicate_impl = 'ddp' with training.dtype = '{config.training.dtype}': DDP has no "
+            "mixed-precision policy. Use parallelism.replicate_impl = 'fsdp' (replicate with bf16 compute and "
+            "fp32 gradient reduction), or training.dtype = 'float32'."
+        )
+
+
+def _check_data(config: Config) -> None:
+    from plait.trainer.data.sources import resolve_source
+
+    d = config.data
+    sources = [(d.dataset, d.dataset_path or None, "train")]
+    if d.val_interval:
+        sources.append((d.val_dataset, (d.dataset_path or None) if d.val_dataset == d.dataset else None, "validation"))
+    for dataset, path, split in sources:
+        try:
+            resolve_source(dataset, path, split)
+        except (FileNotFoundError, ValueError) as e:
+            key = "data.dataset" if split == "train" else "data.val_dataset"
+            raise ConfigError(f"{key} = {dataset!r}: {e}") from None
+
+
 def _check_checkpoint(config: Config, world_size: int) -> None:
     c = config.checkpoint
     if c.load_step < -1:
@@ -148,6 +184,49 @@ def _model_spec(config: Config):
     return spec
 
 
+def resolve_model_args(config: Config, spec=None):
+    """The flavor's ModelArgs with the [model] overrides applied, each checked and typed."""
+    spec = spec or _model_spec(config)
+    base = spec.flavors[config.model.flavor]
+    if not config.model.args:
+        return base
+    hints = typing.get_type_hints(type(base))
+    names = [f.name for f in dataclasses.fields(base)]
+    values = {}
+    for name, value in config.model.args.items():
+        if name not in names:
+            close = difflib.get_close_matches(name, names + ["name", "flavor", "tokenizer_path", "init"], n=1)
+            hint = f" Did you mean model.{close[0]}?" if close else ""
+            raise ConfigError(
+                f"unknown config key 'model.{name}': not a [model] key nor an argument of {config.model.name} "
+                f"{config.model.flavor}.{hint}"
+            )
+        values[name] = _coerce_model_arg(f"model.{name}", hints[name], value)
+    try:
+        return dataclasses.replace(base, **values)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"model arguments {values}: {e}.") from None
+
+
+def _coerce_model_arg(key: str, tp, value):
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (types.UnionType, typing.Union) and type(None) in args:
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        tp = next(a for a in args if a is not type(None))
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} = {value!r}: set it as a table in the TOML file, e.g. {key.split('.')[1]} = {{...}}.")
+        return tp(**value)
+    return coerce(key, tp, value)
+
+
+def model_args_dict(model_args) -> dict:
+    """Effective model arguments as plain TOML-able values (for --print-config)."""
+    return {f.name: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v)
+            for f in dataclasses.fields(model_args) for v in [getattr(model_args, f.name)]}
+
+
 def _parallel_dims(config: Config, world_size: int) -> ParallelDims:
     p = config.parallelism
     try:
@@ -179,13 +258,16 @@ def validate(config: Config, world_size: int | None = None) -> RunPlan:
 
     _check_checkpoint(config, world_size)
     spec = _model_spec(config)
-    model_args = spec.flavors[config.model.flavor]
+    model_args = resolve_model_args(config, spec)
     seq_len, max_seq_len = config.training.seq_len, model_args.max_seq_len
     if seq_len > max_seq_len:
         raise ConfigError(
             f"training.seq_len = {seq_len} is longer than {config.model.name} {config.model.flavor}'s max_seq_len = "
-            f"{max_seq_len} (seq_len not matching the model): lower training.seq_len."
+            f"{max_seq_len} (seq_len not matching the model): lower training.seq_len, or raise model.max_seq_len "
+            f"(--model.max_seq_len {seq_len}; RoPE tables cover it)."
         )
+    _check_data_parallel(config, dims)
+    _check_data(config)
 
     from plait.trainer.data import build_tokenizer
 

@@ -25,13 +25,14 @@ from . import store
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _spec_and_args(model: str, flavor: str):
+def _spec_and_args(model: str, flavor: str, model_args=None):
+    """The model spec and its arguments: `model_args` when the run overrode the flavor's."""
     from plait.models import get_model_spec
 
     spec = get_model_spec(model)
     if flavor not in spec.flavors:
         raise store.CheckpointError(f"{model} has no flavor {flavor!r} (flavors: {', '.join(spec.flavors)})")
-    return spec, spec.flavors[flavor]
+    return spec, model_args if model_args is not None else spec.flavors[flavor]
 
 
 def read_model_state(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -56,13 +57,14 @@ def read_model_state(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
 
 
 def export(
-    state_dict: dict[str, torch.Tensor], model: str, flavor: str, output: str | Path, dtype: torch.dtype
+    state_dict: dict[str, torch.Tensor], model: str, flavor: str, output: str | Path, dtype: torch.dtype,
+    model_args=None,
 ) -> Path:
     """Write `state_dict` (plait names, full tensors) as a Hugging Face folder, atomically."""
     from plait.models.hf.convert import check_matches_model
     from plait.models.hf.io import save_safetensors
 
-    spec, args = _spec_and_args(model, flavor)
+    spec, args = _spec_and_args(model, flavor, model_args)
     check_matches_model(state_dict, spec.model_cls, args)
     output = Path(output)
     tmp = output.with_name(output.name + ".tmp")
@@ -77,13 +79,13 @@ def export(
     return output
 
 
-def read_hf_state(path: str | Path, model: str, flavor: str) -> dict[str, torch.Tensor]:
+def read_hf_state(path: str | Path, model: str, flavor: str, model_args=None) -> dict[str, torch.Tensor]:
     """A Hugging Face folder's weights as a plait state dict for `model` `flavor` (full tensors)."""
     from plait.models.hf.convert import check_matches_model
     from plait.models.hf.io import load_safetensors
 
     path = Path(path)
-    spec, args = _spec_and_args(model, flavor)
+    spec, args = _spec_and_args(model, flavor, model_args)
     config_file = path / "config.json"
     if not config_file.is_file():
         raise store.CheckpointError(

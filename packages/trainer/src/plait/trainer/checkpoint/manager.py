@@ -191,7 +191,9 @@ class CheckpointManager:
         if self.c.initial_load_hf:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-            full = hf_export.read_hf_state(path, self.config.model.name, self.config.model.flavor)
+            full = hf_export.read_hf_state(
+                path, self.config.model.name, self.config.model.flavor, getattr(self.model, "args", None)
+            )
             dtypes = {name: t.dtype for name, t in state.model_state(self.model).items()}
             full = {name: t.to(dtypes[name]) for name, t in full.items()}
             set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True, strict=True))
@@ -310,7 +312,8 @@ class CheckpointManager:
         if self.rank == 0:
             out = self.folder / f"hf-{store.step_name(step)}"
             hf_export.export(
-                full, self.config.model.name, self.config.model.flavor, out, hf_export.DTYPES[self.c.export_dtype]
+                full, self.config.model.name, self.config.model.flavor, out, hf_export.DTYPES[self.c.export_dtype],
+                getattr(self.model, "args", None),  # the flavor with this run's [model] overrides
             )
             self._log(f"exported {out} ({self.c.export_dtype}, Hugging Face safetensors)")
         _barrier()

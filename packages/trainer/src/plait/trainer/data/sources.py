@@ -57,39 +57,50 @@ def infer_builder(path: str) -> str:
                      f"{sorted(_EXTENSION_BUILDERS)}; or set dataset to one of {LOCAL_BUILDERS}")
 
 
-def _load_local(builder: str, path: str, split: str, streaming: bool):
-    if os.path.isdir(path):
-        # Files named after their split (train*.jsonl, validation*.jsonl, ...) are matched by
-        # datasets' own patterns.
-        return datasets.load_dataset(builder, data_dir=path, split=split, streaming=streaming)
-    if not any(ch in path for ch in "*?[") and not os.path.exists(path):
+def _check_local(path: str) -> None:
+    if not os.path.isdir(path) and not any(ch in path for ch in "*?[") and not os.path.exists(path):
         raise FileNotFoundError(f"dataset_path not found: {path!r}")
-    # A single file or glob is the requested split.
-    return datasets.load_dataset(builder, data_files={split: path}, split=split, streaming=streaming)
 
 
-def load_documents(dataset: str, dataset_path: str | None, split: str = "train", streaming: bool = False):
-    """A `datasets.Dataset` (map-style) or `datasets.IterableDataset` (streaming) of documents."""
+def resolve_source(dataset: str, dataset_path: str | None, split: str = "train") -> tuple[str, dict]:
+    """(builder or hub repo, `datasets.load_dataset` keyword arguments) for a source, checking
+    everything that can be checked without reading it: validation calls this before the model is
+    built, so a missing file or a malformed name fails at once."""
     if dataset == "builtin":
         if dataset_path:
             raise ValueError("dataset 'builtin' is shipped with plait; it takes no dataset_path")
         files = builtin_corpus_files()
         if split not in files:
             raise ValueError(f"the builtin corpus has splits {sorted(files)}, not {split!r}")
-        return datasets.load_dataset("json", data_files={split: files[split]}, split=split, streaming=streaming)
-    if dataset in LOCAL_BUILDERS:
-        if not dataset_path:
-            raise ValueError(f"dataset {dataset!r} reads local files: set dataset_path")
-        return _load_local(dataset, dataset_path, split, streaming)
-    if dataset in ("", "auto") or os.path.exists(dataset):
-        path = dataset_path if dataset in ("", "auto") else dataset
+        return "json", {"data_files": {split: files[split]}}
+    if dataset in LOCAL_BUILDERS or dataset in ("", "auto") or os.path.exists(dataset):
+        path = dataset_path if dataset in LOCAL_BUILDERS or dataset in ("", "auto") else dataset
         if not path:
-            raise ValueError("dataset 'auto' infers the format from dataset_path: set dataset_path")
-        return _load_local(infer_builder(path), path, split, streaming)
+            raise ValueError(f"dataset {dataset or 'auto'!r} reads local files: set dataset_path")
+        _check_local(path)
+        builder = dataset if dataset in LOCAL_BUILDERS else infer_builder(path)
+        if os.path.isdir(path):
+            # Files named after their split (train*.jsonl, validation*.jsonl, ...) are matched by
+            # datasets' own patterns.
+            return builder, {"data_dir": path}
+        return builder, {"data_files": {split: path}}  # a single file or glob is the requested split
+    stem = dataset
+    for comp in _COMPRESSIONS:
+        stem = stem.removesuffix(comp)
+    if dataset.startswith(("/", "./", "../", "~")) or os.path.splitext(stem)[1].lower() in _EXTENSION_BUILDERS:
+        raise FileNotFoundError(f"dataset not found: {dataset!r} (a local file or folder that does not exist)")
     repo, _, config = dataset.partition(":")
     if repo in HUB_ALIASES and not config:
         repo, config = HUB_ALIASES[repo]
     if "/" not in repo:
         raise ValueError(f"unknown dataset {dataset!r}: use 'builtin', one of {LOCAL_BUILDERS} with "
                          f"dataset_path, a local path, one of {sorted(HUB_ALIASES)}, or 'owner/name[:config]'")
-    return datasets.load_dataset(dataset_path or repo, name=config or None, split=split, streaming=streaming)
+    if dataset_path:
+        _check_local(dataset_path)  # a local copy of the hub dataset
+    return dataset_path or repo, {"name": config or None}
+
+
+def load_documents(dataset: str, dataset_path: str | None, split: str = "train", streaming: bool = False):
+    """A `datasets.Dataset` (map-style) or `datasets.IterableDataset` (streaming) of documents."""
+    path, kwargs = resolve_source(dataset, dataset_path, split)
+    return datasets.load_dataset(path, split=split, streaming=streaming, **kwargs)
