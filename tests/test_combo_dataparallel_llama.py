@@ -71,13 +71,25 @@ def _parallel(rank, world_size, degrees):
     meshes = build_meshes(ParallelDims(world_size=world_size, **degrees))
     with torch.device("meta"):
         model = llama3.Transformer(_args())
-    model = apply_data_parallel(model, meshes, model.parallel_info()["blocks"], DataParallelConfig())
+    info = model.parallel_info()
+    # As the trainer does: the embedding and the output head are FSDP units of their own.
+    model = apply_data_parallel(model, meshes, info["blocks"], DataParallelConfig(), edge_units=info["edge_units"])
     model.to_empty(device="cpu")
     model.init_weights(buffer_device="cpu")
     set_model_state_dict(model, _seed_model().state_dict(), options=StateDictOptions(full_state_dict=True))
     losses = _train(model, meshes.dp_rank, meshes.dp_degree, meshes.dp.get_group())
     params = _full(model)
-    return dict(losses=losses, params=params if rank == 0 else None)
+    return dict(losses=losses, params=params if rank == 0 else None, gathered=_gathered_between(model))
+
+
+def _gathered_between(model):
+    """Which edge weights FSDP holds unsharded (plain tensors) between forward and backward."""
+    tokens, _ = _batches()[0]
+    logits = model(tokens[:1])
+    held = {name: not isinstance(model.get_submodule(name).weight, DTensor) for name in ("tok_embeddings", "output")}
+    logits.sum().backward()
+    model.zero_grad()
+    return held
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +107,9 @@ def test_llama3_data_parallel_parity(ref, world_size, degrees):
     results = run_on_ranks(_parallel, world_size, degrees, timeout=TIMEOUT)
     for got in results:
         assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5, rel=1e-6)
+        # The embedding is resharded as soon as it has run; the head stays gathered for backward
+        # (a root unit would hold both for the whole step).
+        assert got["gathered"] == {"tok_embeddings": False, "output": True}
     params = results[0]["params"]
     assert params.keys() == ref["params"].keys()
     for name, value in ref["params"].items():

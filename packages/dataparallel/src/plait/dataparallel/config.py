@@ -65,12 +65,14 @@ def validate(
     blocks: Sequence[str],
     config: DataParallelConfig,
     expert_modules: Sequence[str] = (),
+    edge_units: Sequence[Sequence[str]] = (),
 ) -> str:
     """Check everything that can be checked locally; return the mode. Raises ParallelConfigError."""
     _validate_config(config)
     dims = meshes.dims
     mode = data_parallel_mode(dims, config)
     _validate_paths(model, blocks, expert_modules)
+    _validate_edge_units(model, blocks, edge_units)
     if config.replicate_impl == "ddp" and dims.dp_shard_cp > 1:
         raise ParallelConfigError(
             f"data_parallel.replicate_impl = 'ddp' with dp_shard * cp = {dims.dp_shard_cp} > 1: DDP only "
@@ -118,6 +120,26 @@ def _validate_reshard_degree(raf: str | int, what: str, size: int) -> None:
             f"data_parallel.reshard_after_forward = {raf} must divide {what} = {size}: parameters are kept "
             f"gathered over groups of that many ranks. Use one of {divisors}, or 'default' / 'always' / 'never'."
         )
+
+
+def _validate_edge_units(model: nn.Module, blocks: Sequence[str], edge_units: Sequence[Sequence[str]]) -> None:
+    names = dict(model.named_modules())
+    owners: dict[int, str] = {}
+    for unit in edge_units:
+        for path in unit:
+            if path == "" or path not in names:
+                raise ParallelConfigError(
+                    f"edge unit module {path!r} is not a submodule of {type(model).__name__}: list paths as "
+                    "model.named_modules() names them (model.parallel_info()['edge_units'])."
+                )
+            if any(path == b or path.startswith(b + ".") or b.startswith(path + ".") for b in blocks):
+                raise ParallelConfigError(f"edge unit module {path!r} overlaps a block: edge units lie outside blocks.")
+            for param in names[path].parameters():
+                if owners.setdefault(id(param), path) != path:
+                    raise ParallelConfigError(
+                        f"edge unit modules {owners[id(param)]!r} and {path!r} share a parameter (tied weights): "
+                        "put them in one unit or leave them to the root."
+                    )
 
 
 def _validate_paths(model: nn.Module, blocks: Sequence[str], expert_modules: Sequence[str]) -> None:

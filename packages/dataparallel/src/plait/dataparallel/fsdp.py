@@ -62,7 +62,7 @@ def _expert_placement_fn(shard_size: int):
 
 
 def shard_module(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     mesh: DeviceMesh,
     config: DataParallelConfig,
     reshard_after_forward: bool | int,
@@ -127,6 +127,7 @@ def apply_fsdp(
     blocks: Sequence[str],
     config: DataParallelConfig,
     expert_modules: Sequence[str] = (),
+    edge_units: Sequence[Sequence[str]] = (),
 ) -> nn.Module:
     modules = dict(model.named_modules())
     dense_mesh = meshes.fsdp
@@ -138,6 +139,12 @@ def apply_fsdp(
     for path in blocks:
         reshard = _reshard(config.reshard_after_forward, _shard_size(dense_mesh), last=path == last_block)
         units.append(shard_module(modules[path], dense_mesh, config, reshard, ignored_params=ignored))
+    for i, unit in enumerate(edge_units):
+        # The last edge unit (the output head) runs last in forward and first in backward: like the
+        # last block it stays gathered in between; the others (the embedding) reshard after use.
+        reshard = _reshard(config.reshard_after_forward, _shard_size(dense_mesh), last=i == len(edge_units) - 1)
+        group = [modules[path] for path in unit]
+        shard_module(group if len(group) > 1 else group[0], dense_mesh, config, reshard, ignored_params=ignored)
     root_reshard = _reshard(config.reshard_after_forward, _shard_size(dense_mesh), last=True)
     shard_module(model, dense_mesh, config, root_reshard, ignored_params=ignored)
     if config.prefetch:

@@ -97,7 +97,10 @@ def _parallelize(config: Config, plan: RunPlan, meshes: Meshes, device: torch.de
 
     dp_config = data_parallel_config(config)
     dp_mode = data_parallel_mode(meshes.dims, dp_config)
-    wrapped = apply_data_parallel(model, meshes, blocks, dp_config, expert_modules=info.get("experts", ()))
+    wrapped = apply_data_parallel(
+        model, meshes, blocks, dp_config, expert_modules=info.get("experts", ()),
+        edge_units=info.get("edge_units", ()) if dp_mode in ("fsdp", "hsdp") else (),
+    )
     if not plan.full_init:
         if device.type == "cpu" and meshes.dims.world_size > 1 and not config.checkpoint.initial_load_path:
             # DTensor's random ops need a device RNG with offsets (CUDA-like); on CPU every rank

@@ -232,6 +232,9 @@ class Transformer(nn.Module):
             "seq_dim_inputs": {"tokens": 1, "positions": 1},
             "experts": [f"{b}.moe.experts" for b, layer in zip(blocks, self.layers.values()) if layer.is_moe],
             "attention_modules": [f"{block}.attention.sdpa" for block in blocks],
+            # FSDP units outside the blocks, in forward order: the embedding (resharded once used) and
+            # the output head.
+            "edge_units": [["tok_embeddings"], ["norm", "output"]],
             # MLA rebuilds keys and values per head: as many kv heads as query heads.
             "attention_heads": {"n_heads": self.args.n_heads, "n_kv_heads": self.args.n_heads},
             # Sizes tensor parallel splits: heads, dense and shared-expert FFN hidden, vocab.

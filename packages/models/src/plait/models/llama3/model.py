@@ -177,6 +177,9 @@ class Transformer(nn.Module):
             "seq_dim_inputs": {"tokens": 1, "positions": 1},
             "experts": [],
             "attention_modules": [f"{block}.attention.sdpa" for block in blocks],
+            # FSDP units outside the blocks, in forward order: the embedding (resharded once used) and
+            # the output head. A tied embedding is one weight in both: it stays with the root.
+            "edge_units": [] if self.args.tie_embeddings else [["tok_embeddings"], ["norm", "output"]],
             # Head counts the attention modules see before tensor parallel (context parallel's
             # all-to-all splits heads over cp ranks).
             "attention_heads": {"n_heads": self.args.n_heads, "n_kv_heads": self.args.n_kv_heads or self.args.n_heads},
