@@ -5,7 +5,7 @@ import pytest
 import torch
 from cp_reference import random_qkv, reference_with_grads
 
-from plait.contextparallel import SequenceLayout, plan_blocks, shard_sequence, unshard_sequence
+from plait.contextparallel import SequenceLayout, plan_blocks, shard_batch, shard_sequence, unshard_sequence
 from plait.contextparallel.blockwise import blocks_backward, blocks_forward
 from plait.contextparallel.kernels import MergedAttention
 
@@ -20,6 +20,9 @@ def test_shard_unshard_and_positions(cp, load_balance):
     assert torch.equal(unshard_sequence(shards, 1, layout), x)
     for r in range(cp):
         assert torch.equal(shards[r][0], layout.local_indices(r, seq))
+        tokens, labels, positions = shard_batch(x, x + 1, r, layout)
+        assert torch.equal(tokens, shards[r]) and torch.equal(labels, shards[r] + 1)
+        assert torch.equal(positions, shards[r][0])
     held = sorted(c for r in range(cp) for c in layout.chunks(r))
     assert held == list(range(2 * cp))
     if load_balance:

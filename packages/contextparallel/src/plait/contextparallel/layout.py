@@ -58,6 +58,18 @@ def shard_sequence(x: torch.Tensor, dim: int, rank: int, layout: SequenceLayout)
     return torch.cat([chunks[c] for c in layout.chunks(rank)], dim=dim)
 
 
+def shard_batch(
+    tokens_BS: torch.Tensor, labels_BS: torch.Tensor, rank: int, layout: SequenceLayout
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This cp rank's (tokens, labels, positions) of a [B, S] batch, in the layout's order.
+
+    Labels are sharded exactly like the tokens they follow, so every token is counted on exactly
+    one rank; positions [S / cp] are where those tokens sit in the sequence (RoPE indexes by them).
+    """
+    positions_S = layout.local_indices(rank, tokens_BS.shape[1], device=tokens_BS.device)
+    return shard_sequence(tokens_BS, 1, rank, layout), shard_sequence(labels_BS, 1, rank, layout), positions_S
+
+
 def unshard_sequence(shards: Sequence[torch.Tensor], dim: int, layout: SequenceLayout) -> torch.Tensor:
     """Inverse of `shard_sequence` given every rank's shard (rank order): the full sequence."""
     pieces = {}

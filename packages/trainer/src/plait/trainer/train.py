@@ -189,11 +189,9 @@ class Trainer:
         layout = self.pm.cp_layout
         if layout is None:
             return inputs_BS, labels_BS, None
-        from plait.contextparallel import shard_sequence
+        from plait.contextparallel import shard_batch
 
-        cp_rank = self.meshes.cp.get_local_rank()
-        positions_S = layout.local_indices(cp_rank, inputs_BS.shape[1], device=self.device)
-        return shard_sequence(inputs_BS, 1, cp_rank, layout), shard_sequence(labels_BS, 1, cp_rank, layout), positions_S
+        return shard_batch(inputs_BS, labels_BS, self.meshes.cp.get_local_rank(), layout)
 
     def _global_token_count(self, labels: list[torch.Tensor]) -> torch.Tensor:
         """Valid labels over every micro-batch and every dp x cp rank (one all-reduce, no host sync)."""
