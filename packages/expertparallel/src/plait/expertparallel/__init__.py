@@ -1,3 +1,13 @@
-"""plait.expertparallel: not implemented yet; see the package README."""
+"""plait.expertparallel: dp2ep expert parallel with dropless all-to-all dispatch.
+
+    dispatchers = apply_expert_parallel(model, meshes.ep, info["experts"])
+
+See the package README and docs/contracts.md (the experts contract it relies on).
+"""
+
+from .api import ExpertParallelConfig, apply_expert_parallel, validate_expert_parallel
+from .dispatch import AllToAllDispatcher
 
 __version__ = "0.1.0"
+
+__all__ = ["AllToAllDispatcher", "ExpertParallelConfig", "apply_expert_parallel", "validate_expert_parallel"]

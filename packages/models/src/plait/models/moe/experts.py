@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .kernels import permute_and_pad, unpermute
+
 
 def _local(w: torch.Tensor) -> torch.Tensor:
     # Expert parallel shards the weights as DTensors; token counts are data-dependent, which a
@@ -83,6 +85,11 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+
+    # Expert parallel's reorder of received tokens (source rank, local expert) -> expert-major and
+    # back, part of the experts contract (docs/contracts.md): Triton on CUDA, torch elsewhere.
+    permute_and_pad = staticmethod(permute_and_pad)
+    unpermute = staticmethod(unpermute)
 
     def forward(self, x_TD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)

@@ -1,0 +1,69 @@
+"""Dropless all-to-all token dispatch and combine for one routed-experts module.
+
+    dispatch: counts [ep, E_local] --all-to-all--> counts received from every source rank
+              split sizes of both directions --one device-to-host copy-->
+              tokens --all-to-all (uneven, autograd)--> rows grouped (source rank, local expert)
+              --permute kernel--> expert-major, groups padded to the kernel's alignment
+    experts:  the module's own forward on its local experts
+    combine:  unpermute --all-to-all back (autograd)--> rows in the order they came in
+
+The split sizes are the only values that must reach the host (the all-to-all takes them as Python
+ints): one transfer per MoE layer and micro-batch, counted in `host_syncs`.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+
+@dataclass
+class _Routed:
+    permuted_indices_P: torch.Tensor
+    num_received: int
+    input_splits: list[int]
+    output_splits: list[int]
+
+
+class AllToAllDispatcher:
+    """Moves a routed-experts module's tokens to the ep rank that owns their expert, and back."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        num_experts: int,
+        permute_and_pad: Callable,
+        unpermute: Callable,
+        alignment: int = 1,
+    ):
+        self.group = group
+        self.ep = dist.get_world_size(group)
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // self.ep
+        self.permute_and_pad, self.unpermute, self.alignment = permute_and_pad, unpermute, alignment
+        self.host_syncs = 0  # device-to-host transfers so far (one per dispatch)
+        self._pending: list[_Routed] = []
+
+    def dispatch(self, x_ND: torch.Tensor, num_tokens_per_expert_E: torch.Tensor):
+        """Rows sorted by global expert + counts [E] -> (rows for the local experts, their counts)."""
+        counts_RE = num_tokens_per_expert_E.view(self.ep, self.num_local_experts)  # [ep, E_local]
+        received_RE = torch.empty_like(counts_RE)
+        dist.all_to_all_single(received_RE, counts_RE.contiguous(), group=self.group)
+        # Both directions' split sizes in one copy: the only host sync of the layer.
+        splits = torch.stack([counts_RE.sum(1), received_RE.sum(1)]).tolist()
+        self.host_syncs += 1
+        input_splits, output_splits = splits
+        received_ND = all_to_all_single_autograd(x_ND, output_splits, input_splits, self.group)
+        x_padded_PD, permuted_indices_P, m_sizes_E = self.permute_and_pad(
+            received_ND, received_RE.flatten(), self.ep, self.num_local_experts, self.alignment
+        )
+        self._pending.append(_Routed(permuted_indices_P, received_ND.shape[0], input_splits, output_splits))
+        return x_padded_PD, m_sizes_E
+
+    def combine(self, y_padded_PD: torch.Tensor) -> torch.Tensor:
+        """The local experts' outputs -> rows back on their source ranks, in dispatch's input order."""
+        routed = self._pending.pop()
+        y_received_ND = self.unpermute(y_padded_PD, routed.permuted_indices_P, routed.num_received)
+        return all_to_all_single_autograd(y_received_ND, routed.input_splits, routed.output_splits, self.group)
