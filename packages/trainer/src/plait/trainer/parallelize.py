@@ -1,5 +1,5 @@
-"""Model on meta -> tensor parallel -> context parallel -> activation checkpointing -> compile per
-block -> data parallel.
+"""Model on meta -> tensor parallel -> expert parallel -> context parallel -> activation
+checkpointing -> compile per block -> data parallel.
 
 Initial weights are the same on every layout: with `full_init` (the default whenever the fp32
 model fits in a few GiB) every rank materialises the whole model on its device, seeds the RNG
@@ -86,7 +86,10 @@ def _parallelize(config: Config, plan: RunPlan, meshes: Meshes, device: torch.de
     if meshes.dims.cp > 1:
         cp = plan.parallel_modules["cp"]
         cp_layout = cp.apply_context_parallel(model, meshes.cp, info["attention_modules"], cp_config(cp, config))
-    # ep: validation has already refused it until its package provides an entry point.
+    if meshes.dims.ep > 1:
+        # dp2ep: routed experts sharded on E over the ep ranks (borrowed from dp_shard x cp); data
+        # parallel then shards them over what is left (efsdp).
+        plan.parallel_modules["ep"].apply_expert_parallel(model, meshes.ep, info["experts"])
 
     apply_activation_checkpointing(
         model, blocks, config.training.activation_checkpoint, config.training.activation_checkpoint_every

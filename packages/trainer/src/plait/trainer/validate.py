@@ -290,6 +290,12 @@ def validate(config: Config, world_size: int | None = None) -> RunPlan:
         raise ConfigError(
             f"parallelism.ep = {dims.ep} but {config.model.name} {config.model.flavor} has no routed experts: set ep = 1."
         )
+    if dims.ep > 1:
+        num_experts = model.get_submodule(info["experts"][0]).w1.shape[0]
+        try:
+            parallel_modules["ep"].validate_expert_parallel(num_experts, dims.ep, dims.tp, dims.etp)
+        except ValueError as e:
+            raise ConfigError(str(e).splitlines()[0]) from None
     if dims.tp > 1:
         _validate_tp(parallel_modules["tp"], model, info, dims, config)
     if dims.cp > 1:
