@@ -69,7 +69,7 @@ def _check(rank, world_size):
     y = holder.experts(x, counts)
     y.backward(torch.ones_like(y))
     # Reference: every rank's tokens through the unsharded experts on this process.
-    ref_grads, ref_y = None, None
+    ref_y = ref_dx = None
     for r in range(world_size):
         xr, cr = _tokens(r)
         xr = xr.requires_grad_()
