@@ -30,6 +30,8 @@ LAYOUTS = {  # name -> (ranks, local batch, extra args); the global batch is 4 e
     "hsdp2x2_ep2": (4, 1, ["--parallelism.dp_replicate", "2", "--parallelism.ep", "2"]),
     "ep2_full_ac_accum2": (2, 1, ["--parallelism.ep", "2", "--training.activation_checkpoint", "full",
                                   "--training.gradient_accumulation_steps", "2"]),
+    # capacity mode with room for every token (factor = experts): the static all-to-all equals dropless
+    "ep2_capacity_8": (2, 2, ["--parallelism.ep", "2", "--parallelism.expert_capacity_factor", "8"]),
 }
 # fmt: on
 
@@ -52,11 +54,22 @@ def test_trainer_expert_parallel_matches_one_rank(layout, one_rank, tmp_path):
     assert losses(tmp_path) == pytest.approx(one_rank, abs=1e-5, rel=0)
 
 
+def test_capacity_mode_drops_and_counts_tokens_over_capacity(tmp_path):
+    result = run_cli(
+        tmp_path, *COMMON, "--training.local_batch_size", "2", "--nproc-per-node", "2", "--parallelism.ep", "2",
+        "--parallelism.expert_capacity_factor", "0.5", timeout=300,
+    )
+    dropped = int(result.stdout.split("expert capacity dropped ")[1].split()[0])
+    assert dropped > 0
+    assert all(loss == loss for loss in losses(tmp_path))  # trains (finite losses) with tokens dropped
+
+
 @pytest.mark.parametrize(
     "parallelism, world, message",
     [
         ({"dp_shard": 16, "ep": 16}, 16, "parallelism.ep = 16 does not divide the 8 routed experts"),
         ({"dp_shard": 2, "tp": 2, "ep": 2}, 4, "parallelism.ep = 2 with parallelism.tp = 2 is not supported yet"),
+        ({"dp_shard": 2, "ep": 2, "expert_capacity_factor": -1.0}, 2, "expert_capacity_factor = -1.0"),
     ],
 )
 def test_bad_expert_parallel_layouts_fail_before_any_collective(parallelism, world, message):

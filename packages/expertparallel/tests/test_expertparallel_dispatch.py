@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from plait.expertparallel import apply_expert_parallel
+from plait.expertparallel import ExpertParallelConfig, apply_expert_parallel, capacity_per_expert
 from plait.mesh import ParallelDims, build_meshes
 from plait.mesh.testing import run_on_ranks
 
@@ -51,19 +51,24 @@ class LoopExperts(nn.Module):
         return torch.cat(out)
 
 
+ROWS = 24  # (token, choice) pairs per rank: the same on every rank, as in training
+
+
 def _tokens(rank):
     g = torch.Generator().manual_seed(100 + rank)
-    counts = torch.randint(0, 6, (E,), generator=g)
-    counts[rank % E] = 0  # some experts receive nothing from some ranks
-    return torch.randn(int(counts.sum()), D, generator=g), counts
+    experts = torch.randint(0, E - 1, (ROWS,), generator=g)
+    experts = experts + (experts >= rank % E).long()  # expert rank % E gets nothing from this rank
+    counts = torch.bincount(experts, minlength=E)
+    return torch.randn(ROWS, D, generator=g), counts
 
 
-def _check(rank, world_size):
+def _check(rank, world_size, capacity_factor=0.0):
     meshes = build_meshes(ParallelDims(dp_shard=world_size, ep=world_size, world_size=world_size))
     holder = nn.Module()
     holder.experts = LoopExperts()
     full = LoopExperts()
-    dispatchers = apply_expert_parallel(holder, meshes.ep, ["experts"])
+    config = ExpertParallelConfig(capacity_factor=capacity_factor)
+    dispatchers = apply_expert_parallel(holder, meshes.ep, ["experts"], config)
     x, counts = _tokens(rank)
     x = x.requires_grad_()
     y = holder.experts(x, counts)
@@ -83,11 +88,23 @@ def _check(rank, world_size):
         (getattr(holder.experts, n).grad.to_local() - getattr(full, n).grad[shard]).abs().max().item()
         for n in ("w1", "w2", "w3")
     ]
-    return dict(
+    dispatcher = dispatchers["experts"]
+    result = {}
+    if capacity_factor:
+        # Rows past an expert's capacity are dropped: zero output, zero input gradient, counted.
+        C = capacity_per_expert(x.shape[0], E, capacity_factor)
+        position = torch.cat([torch.arange(int(c)) for c in counts])
+        kept = position < C
+        result = dict(
+            kept_y=(y.detach()[kept] - ref_y[kept]).abs().max().item() if kept.any() else 0.0,
+            dropped_zero=bool((y.detach()[~kept] == 0).all() and (x.grad[~kept] == 0).all()),
+            dropped=int(dispatcher.dropped), expected_dropped=int((~kept).sum()),
+        )
+    return result | dict(
         y=(y.detach() - ref_y).abs().max().item(),
         dx=(x.grad - ref_dx).abs().max().item(),
         w=max(weight_errors),
-        syncs=dispatchers["experts"].host_syncs,
+        syncs=dispatcher.host_syncs,
         local_shape=tuple(holder.experts.w1.to_local().shape),
     )
 
@@ -98,3 +115,17 @@ def test_dropless_dispatch_matches_unsharded_experts(world_size):
         assert result["local_shape"] == (E // world_size, D, H)
         assert result["y"] < 1e-5 and result["dx"] < 1e-5 and result["w"] < 1e-5, result
         assert result["syncs"] == 1  # one device-to-host transfer per MoE layer and micro-batch
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_capacity_above_the_largest_load_equals_dropless_without_host_syncs(world_size):
+    # factor E: every (rank, expert) pair may send all of its rows, so nothing is dropped.
+    for result in run_on_ranks(_check, world_size, float(E), timeout=120):
+        assert result["y"] < 1e-5 and result["dx"] < 1e-5 and result["w"] < 1e-5, result
+        assert result["syncs"] == 0  # a static all-to-all: nothing waits on the host
+
+
+def test_tokens_over_capacity_are_dropped_and_counted():
+    for result in run_on_ranks(_check, 2, 0.5, timeout=120):
+        assert result["expected_dropped"] > 0 and result["dropped"] == result["expected_dropped"], result
+        assert result["dropped_zero"] and result["kept_y"] < 1e-5 and result["syncs"] == 0, result

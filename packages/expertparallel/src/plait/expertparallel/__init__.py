@@ -6,8 +6,16 @@ See the package README and docs/contracts.md (the experts contract it relies on)
 """
 
 from .api import ExpertParallelConfig, apply_expert_parallel, validate_expert_parallel
+from .capacity import CapacityDispatcher, capacity_per_expert
 from .dispatch import AllToAllDispatcher
 
 __version__ = "0.1.0"
 
-__all__ = ["AllToAllDispatcher", "ExpertParallelConfig", "apply_expert_parallel", "validate_expert_parallel"]
+__all__ = [
+    "AllToAllDispatcher",
+    "CapacityDispatcher",
+    "ExpertParallelConfig",
+    "apply_expert_parallel",
+    "capacity_per_expert",
+    "validate_expert_parallel",
+]

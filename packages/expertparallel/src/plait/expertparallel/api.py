@@ -11,18 +11,29 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from plait.mesh import ParallelConfigError
 
+from .capacity import CapacityDispatcher
 from .dispatch import AllToAllDispatcher
 
 
 @dataclass(frozen=True)
 class ExpertParallelConfig:
+    capacity_factor: float = 0.0
+    """0: dropless (uneven all-to-all, one host sync per layer). > 0: capacity mode, each (source
+    rank, expert) pair sends at most ceil(factor x rows / experts) rows through a static all-to-all
+    with no host sync; tokens beyond it are dropped (weight 0) and counted."""
     alignment: int | None = None
     """Rows per expert group are padded to a multiple of this for the grouped GEMM (None: 8 on
     CUDA, where grouped_mm wants aligned groups, 1 elsewhere)."""
 
 
-def validate_expert_parallel(num_experts: int, ep: int, tp: int = 1, etp: int = 1) -> None:
+def validate_expert_parallel(
+    num_experts: int, ep: int, tp: int = 1, etp: int = 1, config: ExpertParallelConfig | None = None
+) -> None:
     """Local checks, the same on every rank: call before any collective."""
+    if config is not None and config.capacity_factor < 0:
+        raise ParallelConfigError(
+            f"parallelism.expert_capacity_factor = {config.capacity_factor}: use 0 (dropless) or a factor > 0."
+        )
     if ep > 1 and num_experts % ep:
         raise ParallelConfigError(
             f"parallelism.ep = {ep} does not divide the {num_experts} routed experts: pick an ep that divides them."
@@ -43,7 +54,7 @@ def _shard_experts(module: nn.Module, mesh: DeviceMesh) -> None:
 class _DispatchHooks:
     """Forward pre-hook: dispatch the module's inputs. Forward hook: combine its output."""
 
-    def __init__(self, dispatcher: AllToAllDispatcher):
+    def __init__(self, dispatcher: AllToAllDispatcher | CapacityDispatcher):
         self.dispatcher = dispatcher
 
     def before(self, module, args):
@@ -56,7 +67,7 @@ class _DispatchHooks:
 
 def apply_expert_parallel(
     model: nn.Module, ep_mesh: DeviceMesh, expert_modules: Sequence[str], config: ExpertParallelConfig | None = None
-) -> dict[str, AllToAllDispatcher]:
+) -> dict[str, AllToAllDispatcher | CapacityDispatcher]:
     """Shard each routed-experts module (`parallel_info()["experts"]`: weights [E, in, out],
     `forward(routed_input_ND, num_tokens_per_expert_E)`, `permute_and_pad` / `unpermute` helpers)
     over `ep_mesh` on dim 0, and move its tokens with all-to-all. Returns the dispatcher of each
@@ -77,9 +88,12 @@ def apply_expert_parallel(
         _shard_experts(module, ep_mesh)
         device = next(module.parameters()).device
         alignment = config.alignment or (8 if device.type == "cuda" else 1)
-        dispatcher = AllToAllDispatcher(
-            ep_mesh.get_group(), num_experts, module.permute_and_pad, module.unpermute, alignment
-        )
+        if config.capacity_factor > 0:
+            dispatcher = CapacityDispatcher(ep_mesh.get_group(), num_experts, config.capacity_factor)
+        else:
+            dispatcher = AllToAllDispatcher(
+                ep_mesh.get_group(), num_experts, module.permute_and_pad, module.unpermute, alignment
+            )
         hooks = _DispatchHooks(dispatcher)
         module.register_forward_pre_hook(hooks.before)
         module.register_forward_hook(hooks.after)

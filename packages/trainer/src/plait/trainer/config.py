@@ -133,6 +133,10 @@ class ParallelismConfig:
     """Expert-parallel degree for MoE models, borrowed from dp_shard x cp (needs plait-expertparallel)."""
     etp: int = 1
     """Expert tensor-parallel degree: 1 or tp."""
+    expert_capacity_factor: float = 0.0
+    """Expert parallel dispatch: 0 = dropless (uneven all-to-all, one host sync per MoE layer); > 0 =
+    capacity mode, each (rank, expert) pair sends at most factor x its even share of tokens through
+    a static all-to-all with no host sync; tokens beyond it are dropped (counted at the end)."""
     replicate_impl: Literal["fsdp", "ddp"] = "fsdp"
     """How dp_replicate is done without sharding: FSDP-based replicate or DDP."""
     reshard_after_forward: Literal["default", "always", "never"] = "default"

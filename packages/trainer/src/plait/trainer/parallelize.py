@@ -19,7 +19,7 @@ from plait.mesh import Meshes, ParallelConfigError
 
 from .activation_checkpoint import apply_activation_checkpointing
 from .config import Config, ConfigError
-from .validate import RunPlan, cp_config, tp_config
+from .validate import RunPlan, cp_config, ep_config, tp_config
 
 
 @dataclass
@@ -30,6 +30,7 @@ class ParallelModel:
     autocast: contextlib.AbstractContextManager | None  # for forward + loss, or None
     loss_parallel: bool
     cp_layout: object | None = None  # plait.contextparallel.SequenceLayout the batch is sharded in
+    dispatchers: dict | None = None  # expert parallel: module path -> token dispatcher
 
 
 def _dtype(config: Config) -> torch.dtype:
@@ -82,14 +83,15 @@ def _parallelize(config: Config, plan: RunPlan, meshes: Meshes, device: torch.de
         tp_cfg = tp_config(tp, config)
         tp.apply_tensor_parallel(model, meshes.tp, info["tp_plan"], tp_cfg)
         loss_parallel = tp.uses_loss_parallel(info["tp_plan"], tp_cfg, meshes.dims.tp)
-    cp_layout = None
+    cp_layout, dispatchers = None, None
     if meshes.dims.cp > 1:
         cp = plan.parallel_modules["cp"]
         cp_layout = cp.apply_context_parallel(model, meshes.cp, info["attention_modules"], cp_config(cp, config))
     if meshes.dims.ep > 1:
         # dp2ep: routed experts sharded on E over the ep ranks (borrowed from dp_shard x cp); data
         # parallel then shards them over what is left (efsdp).
-        plan.parallel_modules["ep"].apply_expert_parallel(model, meshes.ep, info["experts"])
+        ep = plan.parallel_modules["ep"]
+        dispatchers = ep.apply_expert_parallel(model, meshes.ep, info["experts"], ep_config(ep, config))
 
     apply_activation_checkpointing(
         model, blocks, config.training.activation_checkpoint, config.training.activation_checkpoint_every
@@ -124,4 +126,4 @@ def _parallelize(config: Config, plan: RunPlan, meshes: Meshes, device: torch.de
         elif dp_mode == "none":
             # Tensor parallel alone has no sharding policy to cast parameters: autocast instead.
             autocast = torch.autocast(device.type, dtype=dtype)
-    return ParallelModel(wrapped, model, dp_mode, autocast, loss_parallel, cp_layout)
+    return ParallelModel(wrapped, model, dp_mode, autocast, loss_parallel, cp_layout, dispatchers)

@@ -293,7 +293,9 @@ def validate(config: Config, world_size: int | None = None) -> RunPlan:
     if dims.ep > 1:
         num_experts = model.get_submodule(info["experts"][0]).w1.shape[0]
         try:
-            parallel_modules["ep"].validate_expert_parallel(num_experts, dims.ep, dims.tp, dims.etp)
+            parallel_modules["ep"].validate_expert_parallel(
+                num_experts, dims.ep, dims.tp, dims.etp, ep_config(parallel_modules["ep"], config)
+            )
         except ValueError as e:
             raise ConfigError(str(e).splitlines()[0]) from None
     if dims.tp > 1:
@@ -329,6 +331,11 @@ def _validate_cp(cp_module, model_args, info: dict, dims: ParallelDims, config: 
             f"{model_args.aux_loss_coeff}) is not supported yet: set parallelism.cp = 1 or aux_loss_coeff = 0 "
             "(the aux-loss-free bias balancing is exact under CP)."
         )
+
+
+def ep_config(ep_module, config: Config):
+    """plait.expertparallel's config from the [parallelism] section."""
+    return ep_module.ExpertParallelConfig(capacity_factor=config.parallelism.expert_capacity_factor)
 
 
 def cp_config(cp_module, config: Config):

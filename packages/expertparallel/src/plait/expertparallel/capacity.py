@@ -1,0 +1,67 @@
+"""Capacity-mode dispatch: a static, even-split all-to-all with no device-to-host sync.
+
+Every (source rank, expert) pair gets `capacity` rows: rank r sends peer p a block
+[E_local, capacity, D] whatever the routing, so the all-to-all needs no split sizes and the
+layer never waits on the host. A token whose position within its expert exceeds the capacity is
+dropped: it sends nothing and its routed output is zero (its weight is 0); `dropped` counts them
+on the device. Unused rows are zeros, and a bias-free SwiGLU expert maps zeros to zeros, so with a
+capacity above the largest load the result equals dropless dispatch exactly. The capacity comes
+from the number of routed rows, which must be the same on every ep rank (equal local batches, as
+in training): the block sizes of the all-to-all are never exchanged.
+"""
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+
+def capacity_per_expert(num_rows: int, num_experts: int, factor: float) -> int:
+    """Rows each (source rank, expert) pair may send: factor x the even share, at least 1."""
+    return max(1, math.ceil(factor * num_rows / num_experts))
+
+
+class CapacityDispatcher:
+    """Moves tokens to the rank owning their expert with fixed-size blocks (no host sync)."""
+
+    def __init__(self, group: dist.ProcessGroup, num_experts: int, capacity_factor: float):
+        self.group = group
+        self.ep = dist.get_world_size(group)
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // self.ep
+        self.capacity_factor = capacity_factor
+        self.host_syncs = 0  # stays 0: nothing here reads device values on the host
+        self.dropped: torch.Tensor | None = None  # device scalar: (token, choice) pairs dropped so far
+        self._pending: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+
+    def dispatch(self, x_ND: torch.Tensor, num_tokens_per_expert_E: torch.Tensor):
+        N, D = x_ND.shape
+        E, El, ep = self.num_experts, self.num_local_experts, self.ep
+        C = capacity_per_expert(N, E, self.capacity_factor)
+        # Row i belongs to expert e_i (rows are sorted by expert); its slot is its rank in the group.
+        offsets_E = torch.cumsum(num_tokens_per_expert_E, 0) - num_tokens_per_expert_E
+        expert_N = torch.repeat_interleave(
+            torch.arange(E, device=x_ND.device), num_tokens_per_expert_E, output_size=N
+        )
+        position_N = torch.arange(N, device=x_ND.device) - offsets_E[expert_N]
+        kept_N = position_N < C
+        slot_N = torch.where(kept_N, expert_N * C + position_N, E * C)  # dropped rows -> a dump slot
+        dropped = (~kept_N).sum()
+        self.dropped = dropped if self.dropped is None else self.dropped + dropped
+        send = x_ND.new_zeros(E * C + 1, D).index_copy(0, slot_N, x_ND)[: E * C]  # [ep * El * C, D]
+        received = all_to_all_single_autograd(send, None, None, self.group)  # [ep(src), El, C, D]
+        # Expert-major for the grouped GEMM: [El, ep(src), C, D], every expert ep * C rows.
+        x_padded = received.view(ep, El, C, D).transpose(0, 1).reshape(El * ep * C, D)
+        m_sizes = torch.full((El,), ep * C, dtype=torch.int64, device=x_ND.device)
+        self._pending.append((slot_N, kept_N, C))
+        return x_padded, m_sizes
+
+    def combine(self, y_padded_PD: torch.Tensor) -> torch.Tensor:
+        slot_N, kept_N, C = self._pending.pop()
+        El, ep = self.num_local_experts, self.ep
+        D = y_padded_PD.shape[-1]
+        back = y_padded_PD.view(El, ep, C, D).transpose(0, 1).reshape(ep * El * C, D)
+        returned = all_to_all_single_autograd(back, None, None, self.group)  # [E * C, D], this rank's rows
+        returned = torch.cat([returned, returned.new_zeros(1, D)])  # the dump slot reads zeros
+        return returned[slot_N] * kept_N[:, None].to(returned.dtype)
