@@ -7,22 +7,10 @@ import dataclasses
 import pytest
 
 from plait.trainer.config import ConfigError, build_config, load_toml
-from plait.trainer.testing import losses, run_cli
+from plait.trainer.testing import losses, parity_args, run_cli
 from plait.trainer.validate import validate
 
-# fmt: off
-COMMON = [
-    "--training.steps", "4",
-    "--training.seq_len", "64",
-    "--training.local_batch_size", "2",
-    "--training.dtype", "float32",
-    "--training.deterministic", "true",
-    "--lr_scheduler.warmup_steps", "2",
-    "--optimizer.lr", "3e-3",
-    "--metrics.log_freq", "4",
-    "--metrics.cpu_peak_tflops", "0.1",
-]
-# fmt: on
+COMMON = [*parity_args(steps=4), "--training.local_batch_size", "2"]
 
 
 @pytest.mark.parametrize(

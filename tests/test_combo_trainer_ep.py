@@ -6,21 +6,11 @@ the one-rank run; bad EP layouts fail before any collective with one line."""
 import pytest
 
 from plait.trainer.config import ConfigError, build_config
-from plait.trainer.testing import losses, run_cli
+from plait.trainer.testing import losses, parity_args, run_cli
 from plait.trainer.validate import validate
 
+COMMON = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", *parity_args(steps=4)]
 # fmt: off
-COMMON = [
-    "--model.name", "deepseek_v3", "--model.flavor", "debugmodel",
-    "--training.steps", "4",
-    "--training.seq_len", "64",
-    "--training.dtype", "float32",
-    "--training.deterministic", "true",
-    "--lr_scheduler.warmup_steps", "2",
-    "--optimizer.lr", "3e-3",
-    "--metrics.log_freq", "4",
-    "--metrics.cpu_peak_tflops", "0.1",
-]
 LAYOUTS = {  # name -> (ranks, local batch, extra args); the global batch is 4 everywhere
     "ep2": (2, 2, ["--parallelism.ep", "2"]),
     "fsdp4_ep2_efsdp2": (4, 1, ["--parallelism.ep", "2"]),

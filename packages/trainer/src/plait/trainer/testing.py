@@ -31,6 +31,23 @@ def run_cli(
     return result
 
 
+def parity_args(steps: int = 4, seq_len: int = 64) -> list[str]:
+    """CLI arguments for runs whose losses are compared step for step across layouts: fp32,
+    deterministic, a short warmup, one metrics row per step at the end."""
+    # fmt: off
+    return [
+        "--training.steps", str(steps),
+        "--training.seq_len", str(seq_len),
+        "--training.dtype", "float32",
+        "--training.deterministic", "true",
+        "--lr_scheduler.warmup_steps", "2",
+        "--optimizer.lr", "3e-3",
+        "--metrics.log_freq", str(steps),
+        "--metrics.cpu_peak_tflops", "0.1",
+    ]
+    # fmt: on
+
+
 def read_metrics(dump: Path) -> list[dict]:
     """One dict per line of `<dump>/metrics.jsonl`."""
     return [json.loads(line) for line in (Path(dump) / "metrics.jsonl").read_text().splitlines()]
