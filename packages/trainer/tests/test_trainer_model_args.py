@@ -34,8 +34,8 @@ def test_model_arguments_override_the_flavor():
         (("parallelism.dp_replicate", "2", "parallelism.replicate_impl", "ddp", "training.dtype", "bfloat16"),
          "parallelism.replicate_impl = 'ddp' with training.dtype = 'bfloat16': DDP has no mixed-precision policy. "
          "Use parallelism.replicate_impl = 'fsdp'"),
-        (("parallelism.dp_replicate", "2", "parallelism.tp", "2", "parallelism.replicate_impl", "ddp"),
-         "does not compose with {'tp': 2}"),
+        (("parallelism.dp_replicate", "2", "parallelism.dp_shard", "2", "parallelism.replicate_impl", "ddp"),
+         "does not compose with {'dp_shard': 2}"),
         (("data.dataset", "json"), "data.dataset = 'json': dataset 'json' reads local files: set dataset_path"),
         (("data.dataset", "/no/such/corpus.jsonl"), "dataset not found: '/no/such/corpus.jsonl'"),
         (("data.dataset", "text", "data.dataset_path", "/no/such/dir/train.txt"), "dataset_path not found"),
@@ -47,7 +47,7 @@ def test_errors_name_the_fix_before_the_model_is_built(overrides, message, monke
 
     # Fail the test if validation got as far as building the model before raising.
     monkeypatch.setattr(v, "_has_compiler", lambda: pytest.fail("validation went past the model"))
-    world = (4 if "parallelism.tp" in overrides else 2) if "parallelism.dp_replicate" in overrides else 1
+    world = (4 if "parallelism.dp_shard" in overrides else 2) if "parallelism.dp_replicate" in overrides else 1
     with pytest.raises(ConfigError) as err:
         validate(_config(*overrides), world_size=world)
     assert message in str(err.value)
