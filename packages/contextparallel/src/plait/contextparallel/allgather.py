@@ -15,25 +15,19 @@ from .kernels import MergedAttention, accum_dtype
 from .layout import SequenceLayout, plan_blocks
 
 
-def _natural_order(layout: SequenceLayout, device) -> torch.Tensor:
-    rank_order = layout.rank_order()
-    return torch.tensor([rank_order.index(c) for c in range(layout.n_chunks)], device=device)
-
-
 def _gather_kv(kv_BGLF: torch.Tensor, group, layout: SequenceLayout) -> torch.Tensor:
     """Local [B, G, 2c, F] -> the whole sequence [B, G, S, F] in natural order."""
     B, G, L, F = kv_BGLF.shape
     gathered_RBGLF = all_gather(kv_BGLF, group, layout.cp)
     slots_BGNcF = gathered_RBGLF.movedim(0, 2).reshape(B, G, layout.n_chunks, L // 2, F)
-    return slots_BGNcF.index_select(2, _natural_order(layout, kv_BGLF.device)).view(B, G, layout.cp * L, F)
+    return slots_BGNcF.index_select(2, layout.natural_order_index(kv_BGLF.device)).view(B, G, layout.cp * L, F)
 
 
 def _scatter_grad(dkv_BGSF: torch.Tensor, group, layout: SequenceLayout) -> torch.Tensor:
     """Whole-sequence fp32 [B, G, S, F] summed over ranks -> this rank's [B, G, 2c, F]."""
     B, G, S, F = dkv_BGSF.shape
     c = S // layout.n_chunks
-    rank_order = torch.tensor(layout.rank_order(), device=dkv_BGSF.device)
-    slots = dkv_BGSF.view(B, G, layout.n_chunks, c, F).index_select(2, rank_order)
+    slots = dkv_BGSF.view(B, G, layout.n_chunks, c, F).index_select(2, layout.rank_order_index(dkv_BGSF.device))
     per_rank_RBGLF = slots.view(B, G, layout.cp, 2 * c, F).movedim(2, 0)
     return reduce_scatter(per_rank_RBGLF, group)
 

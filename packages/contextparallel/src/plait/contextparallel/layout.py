@@ -39,6 +39,15 @@ class SequenceLayout:
         """Global chunk index of every (rank, slot), rank-major: the order of a gather over ranks."""
         return [c for rank in range(self.cp) for c in self.chunks(rank)]
 
+    def rank_order_index(self, device=None) -> torch.Tensor:
+        """Index that puts sequence-ordered chunks into rank-major (rank, slot) order."""
+        return torch.tensor(self.rank_order(), device=device)
+
+    def natural_order_index(self, device=None) -> torch.Tensor:
+        """Index that puts rank-major (rank, slot) chunks back into sequence order."""
+        rank_order = self.rank_order()
+        return torch.tensor([rank_order.index(c) for c in range(self.n_chunks)], device=device)
+
     def local_indices(self, rank: int, seq_len: int, device=None) -> torch.Tensor:
         """Positions (int64) in the full sequence of the tokens rank `rank` holds, in its order."""
         chunk = self.chunk_len(seq_len)

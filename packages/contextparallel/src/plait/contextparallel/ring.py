@@ -19,11 +19,8 @@ from .layout import SequenceLayout, plan_blocks
 
 
 def _plans(layout: SequenceLayout, rank: int):
-    """(source rank, blocks) for each step: the K/V held at step s came from rank - s."""
-    return [
-        (src, plan_blocks(layout.chunks(rank), layout.chunks(src)))
-        for src in ((rank - s) % layout.cp for s in range(layout.cp))
-    ]
+    """The blocks of each step: the K/V held at step s came from rank - s."""
+    return [plan_blocks(layout.chunks(rank), layout.chunks((rank - s) % layout.cp)) for s in range(layout.cp)]
 
 
 class RingAttention(torch.autograd.Function):
@@ -36,7 +33,7 @@ class RingAttention(torch.autograd.Function):
         plans = _plans(layout, rank)
         acc = MergedAttention(q, v.shape[-1])
         kv = torch.cat([k, v], dim=-1)
-        for step, (_, blocks) in enumerate(plans):
+        for step, blocks in enumerate(plans):
             pending = shift.start(kv) if step + 1 < layout.cp else None
             blocks_forward(acc, q, kv[..., :d], kv[..., d:], blocks, chunk, scale)
             if pending is not None:
@@ -56,7 +53,7 @@ class RingAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=accum_dtype(q.dtype), device=q.device)
         kv = torch.cat([k, v], dim=-1)
         grad_pending = None
-        for step, (_, blocks) in enumerate(ctx.plans):
+        for step, blocks in enumerate(ctx.plans):
             kv_pending = kv_shift.start(kv) if step + 1 < ctx.layout.cp else None
             dkv = torch.zeros(kv.shape, dtype=accum_dtype(q.dtype), device=q.device)
             blocks_backward(

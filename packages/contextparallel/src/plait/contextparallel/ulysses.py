@@ -15,26 +15,20 @@ from .kernels import attention_backward, attention_forward
 from .layout import SequenceLayout
 
 
-def _natural(layout: SequenceLayout, device) -> torch.Tensor:
-    rank_order = layout.rank_order()
-    return torch.tensor([rank_order.index(c) for c in range(layout.n_chunks)], device=device)
-
-
 def seq_to_heads(x_BNLD: torch.Tensor, group, layout: SequenceLayout) -> torch.Tensor:
     """[B, N, 2c, D] sequence shard -> [B, N/cp, S, D] head shard, sequence in natural order."""
     B, N, L, D = x_BNLD.shape
     cp = layout.cp
     received = all_to_all(x_BNLD.unflatten(1, (cp, N // cp)).movedim(1, 0), group)  # [cp(src), B, N/cp, 2c, D]
     slots = received.movedim(0, 2).reshape(B, N // cp, layout.n_chunks, L // 2, D)
-    return slots.index_select(2, _natural(layout, x_BNLD.device)).view(B, N // cp, cp * L, D)
+    return slots.index_select(2, layout.natural_order_index(x_BNLD.device)).view(B, N // cp, cp * L, D)
 
 
 def heads_to_seq(y_BnSD: torch.Tensor, group, layout: SequenceLayout) -> torch.Tensor:
     """Inverse of seq_to_heads: [B, N/cp, S, D] -> [B, N, 2c, D]."""
     B, n, S, D = y_BnSD.shape
     cp, c = layout.cp, S // layout.n_chunks
-    rank_order = torch.tensor(layout.rank_order(), device=y_BnSD.device)
-    slots = y_BnSD.view(B, n, layout.n_chunks, c, D).index_select(2, rank_order)
+    slots = y_BnSD.view(B, n, layout.n_chunks, c, D).index_select(2, layout.rank_order_index(y_BnSD.device))
     received = all_to_all(slots.view(B, n, cp, 2 * c, D).movedim(2, 0), group)  # [cp(head group), B, n, 2c, D]
     return received.movedim(0, 1).reshape(B, cp * n, 2 * c, D)
 
