@@ -1,7 +1,9 @@
 """The trainer with expert parallel (dp2ep, dropless all-to-all): DeepSeek-V3 debug (8 routed
 experts, top-3) under EP 2 and 4, with expert FSDP (efsdp 2), with context parallel (ep borrowed
-from the cp ranks), with HSDP, and with activation checkpointing + accumulation, each matches
-the one-rank run; bad EP layouts fail before any collective with one line."""
+from the cp ranks), with HSDP, with tensor parallel (etp 1: each TP rank dispatches its share of
+the rows; etp = tp: experts' hidden dim split too), with all of them at 8 ranks, and with
+activation checkpointing + accumulation, each matches the one-rank run; bad EP layouts fail
+before any collective with one line."""
 
 import pytest
 
@@ -22,6 +24,15 @@ LAYOUTS = {  # name -> (ranks, local batch, extra args); the global batch is 4 e
                                   "--training.gradient_accumulation_steps", "2"]),
     # capacity mode with room for every token (factor = experts): the static all-to-all equals dropless
     "ep2_capacity_8": (2, 2, ["--parallelism.ep", "2", "--parallelism.expert_capacity_factor", "8"]),
+    # etp 1: ep 2 is borrowed from the tp ranks; each dispatches half the rows (no token sent twice)
+    "fsdp2_tp2_ep2": (4, 2, ["--parallelism.tp", "2", "--parallelism.ep", "2"]),
+    "fsdp2_tp2_ep2_etp2": (4, 2, ["--parallelism.tp", "2", "--parallelism.ep", "2", "--parallelism.etp", "2"]),
+    "tp2_ep2_capacity_8_no_sp": (2, 4, ["--parallelism.tp", "2", "--parallelism.ep", "2",
+                                        "--parallelism.sequence_parallel", "false",
+                                        "--parallelism.expert_capacity_factor", "8"]),
+    "hsdp2x2_tp2_ep2": (8, 1, ["--parallelism.dp_replicate", "2", "--parallelism.tp", "2", "--parallelism.ep", "2"]),
+    "fsdp2_cp2_tp2_ep4": (8, 2, ["--parallelism.cp", "2", "--parallelism.tp", "2", "--parallelism.ep", "4",
+                                 "--parallelism.cp_method", "allgather"]),
 }
 # fmt: on
 
@@ -58,7 +69,8 @@ def test_capacity_mode_drops_and_counts_tokens_over_capacity(tmp_path):
     "parallelism, world, message",
     [
         ({"dp_shard": 16, "ep": 16}, 16, "parallelism.ep = 16 does not divide the 8 routed experts"),
-        ({"dp_shard": 2, "tp": 2, "ep": 2}, 4, "parallelism.ep = 2 with parallelism.tp = 2 is not supported yet"),
+        ({"dp_shard": 2, "tp": 4, "ep": 4, "etp": 2}, 8, "parallelism.etp = 2"),
+        ({"dp_shard": 2, "tp": 4, "ep": 2}, 8, "parallelism.ep = 2 must be a multiple of cp \\* tp = 4"),
         ({"dp_shard": 2, "ep": 2, "expert_capacity_factor": -1.0}, 2, "expert_capacity_factor = -1.0"),
     ],
 )

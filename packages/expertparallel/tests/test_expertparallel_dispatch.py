@@ -129,3 +129,20 @@ def test_tokens_over_capacity_are_dropped_and_counted():
     for result in run_on_ranks(_check, 2, 0.5, timeout=120):
         assert result["expected_dropped"] > 0 and result["dropped"] == result["expected_dropped"], result
         assert result["dropped_zero"] and result["kept_y"] < 1e-5 and result["syncs"] == 0, result
+
+
+def test_tp_row_shares_cover_the_rows_once_and_count_experts_on_the_device():
+    from plait.expertparallel.token_split import counts_in_share, restore_share, row_share, take_share
+
+    counts_E = torch.tensor([3, 0, 5, 1, 4])  # 13 rows sorted by expert, one expert empty
+    x_ND = torch.arange(13.0)[:, None].expand(13, 2)
+    expert_N = torch.repeat_interleave(torch.arange(5), counts_E)
+    for parts in (1, 2, 3, 4):
+        total = torch.zeros(13, 2)
+        for rank in range(parts):
+            share = row_share(13, rank, parts)
+            assert share.stop - share.start in (13 // parts, -(-13 // parts))
+            got_E = counts_in_share(counts_E, share)
+            assert got_E.tolist() == torch.bincount(expert_N[share.start : share.stop], minlength=5).tolist()
+            total += restore_share(take_share(x_ND, share), share)
+        assert torch.equal(total, x_ND)  # the shares' padded outputs sum to every row exactly once

@@ -1,18 +1,27 @@
 """`apply_expert_parallel`: shard routed experts' E dimension over the ep mesh and route their
 tokens through all-to-all dispatch / combine. Applied to an unmodified model, after tensor
-parallel and before activation checkpointing, compile and data parallel."""
+parallel and before activation checkpointing, compile and data parallel.
+
+With tensor parallel the MoE is a TP region (every TP rank holds the same routed rows):
+- etp = 1: the ep ranks include the TP ranks; the experts are whole, and each TP rank dispatches
+  only its share of the rows (`token_split.py`), so no token is sent tp times;
+- etp = tp: tensor parallel has already split the experts' hidden dim (`experts_tp`); they become
+  DTensors on the 2-D (ep, etp) mesh, `(Shard(0), Shard(hidden))`, and every TP rank dispatches
+  all rows to its ep peers, whose partial outputs the region's exit sums.
+"""
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from plait.mesh import ParallelConfigError
 
 from .capacity import CapacityDispatcher
 from .dispatch import AllToAllDispatcher
+from .token_split import RowShare, counts_in_share, restore_share, row_share, take_share
 
 
 @dataclass(frozen=True)
@@ -38,54 +47,95 @@ def validate_expert_parallel(
         raise ParallelConfigError(
             f"parallelism.ep = {ep} does not divide the {num_experts} routed experts: pick an ep that divides them."
         )
-    if ep > 1 and tp > 1:
+    if etp not in (1, tp):
         raise ParallelConfigError(
-            f"parallelism.ep = {ep} with parallelism.tp = {tp} is not supported yet (expert-tensor parallel and "
-            "the sequence-parallel dispatch are not built): set tp = 1 or ep = 1."
+            f"parallelism.etp = {etp}: expert tensor parallel is 1 (experts whole, tokens split over the TP "
+            f"ranks) or equal to parallelism.tp = {tp} (experts' hidden dim split like the dense FFN)."
         )
 
 
-def _shard_experts(module: nn.Module, mesh: DeviceMesh) -> None:
+def _shard_experts(module: nn.Module, ep_mesh: DeviceMesh, ep_etp_mesh: DeviceMesh | None) -> None:
     for name, param in list(module.named_parameters(recurse=False)):
-        sharded = nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]), requires_grad=param.requires_grad)
-        module.register_parameter(name, sharded)
+        if isinstance(param, DTensor):
+            # Tensor parallel split the hidden dim (etp = tp): keep this rank's ep slice of its TP
+            # shard and describe it on the (ep, etp) mesh.
+            if ep_etp_mesh is None or len(param.placements) != 1 or not isinstance(param.placements[0], Shard):
+                raise ParallelConfigError(
+                    f"routed expert weight {name!r} is already a {param.placements} DTensor: with tensor parallel "
+                    "on the experts (experts_tp) expert parallel needs parallelism.etp = tp."
+                )
+            ep_rank = ep_etp_mesh.get_local_rank(0)
+            local = param.to_local().chunk(ep_etp_mesh.size(0), dim=0)[ep_rank].contiguous()
+            placements = (Shard(0), param.placements[0])
+            sharded = DTensor.from_local(local, ep_etp_mesh, placements, run_check=False)
+        else:
+            sharded = distribute_tensor(param, ep_mesh, [Shard(0)])
+        module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
 
 class _DispatchHooks:
-    """Forward pre-hook: dispatch the module's inputs. Forward hook: combine its output."""
+    """Forward pre-hook: dispatch the module's inputs. Forward hook: combine its output.
 
-    def __init__(self, dispatcher: AllToAllDispatcher | CapacityDispatcher):
+    With `split` (rank, parts) the rows are divided among the TP ranks that hold them all: each
+    dispatches only its share and pads the combined rows back (token_split.py)."""
+
+    def __init__(self, dispatcher: AllToAllDispatcher | CapacityDispatcher, split: tuple[int, int] | None = None):
         self.dispatcher = dispatcher
+        self.split = split
+        self._shares: list[RowShare] = []
 
     def before(self, module, args):
         x_ND, num_tokens_per_expert_E = args
-        return self.dispatcher.dispatch(x_ND, num_tokens_per_expert_E)
+        if self.split is None:
+            return self.dispatcher.dispatch(x_ND, num_tokens_per_expert_E)
+        rank, parts = self.split
+        share = row_share(x_ND.shape[0], rank, parts)
+        self._shares.append(share)
+        # Capacity blocks must be the same size on every ep rank: size them by the largest share.
+        capacity_rows = -(-x_ND.shape[0] // parts)
+        return self.dispatcher.dispatch(
+            take_share(x_ND, share), counts_in_share(num_tokens_per_expert_E, share), capacity_rows=capacity_rows
+        )
 
     def after(self, module, args, y_padded_PD):
-        return self.dispatcher.combine(y_padded_PD)
+        y_ND = self.dispatcher.combine(y_padded_PD)
+        return y_ND if self.split is None else restore_share(y_ND, self._shares.pop())
 
 
 def apply_expert_parallel(
-    model: nn.Module, ep_mesh: DeviceMesh, expert_modules: Sequence[str], config: ExpertParallelConfig | None = None
+    model: nn.Module,
+    ep_mesh: DeviceMesh,
+    expert_modules: Sequence[str],
+    config: ExpertParallelConfig | None = None,
+    *,
+    tp_mesh: DeviceMesh | None = None,
+    ep_etp_mesh: DeviceMesh | None = None,
 ) -> dict[str, AllToAllDispatcher | CapacityDispatcher]:
     """Shard each routed-experts module (`parallel_info()["experts"]`: weights [E, in, out],
     `forward(routed_input_ND, num_tokens_per_expert_E)`, `permute_and_pad` / `unpermute` helpers)
     over `ep_mesh` on dim 0, and move its tokens with all-to-all. Returns the dispatcher of each
-    module (their `host_syncs` counters)."""
+    module (their `host_syncs` counters).
+
+    Under tensor parallel pass `tp_mesh` (the experts sit in a TP region). With etp = 1 (the
+    experts left whole by TP) each TP rank dispatches its share of the rows; with etp = tp (TP
+    already split their hidden dim) pass `ep_etp_mesh`, the 2-D (ep, etp) mesh they end up on."""
     config = config or ExpertParallelConfig()
     ep = ep_mesh.size()
+    tp = tp_mesh.size() if tp_mesh is not None else 1
+    etp = ep_etp_mesh.size(1) if ep_etp_mesh is not None else 1
+    split = (tp_mesh.get_local_rank(), tp) if tp > 1 and etp == 1 else None
     dispatchers = {}
     for path in expert_modules:
         module = model.get_submodule(path)
         num_experts = next(module.parameters()).shape[0]
-        validate_expert_parallel(num_experts, ep)
+        validate_expert_parallel(num_experts, ep, tp, etp)
         for helper in ("permute_and_pad", "unpermute"):
             if not callable(getattr(module, helper, None)):
                 raise ParallelConfigError(
                     f"expert module {path!r} ({type(module).__name__}) has no {helper}: it does not follow the "
                     "experts contract (docs/contracts.md)."
                 )
-        _shard_experts(module, ep_mesh)
+        _shard_experts(module, ep_mesh, ep_etp_mesh)
         device = next(module.parameters()).device
         alignment = config.alignment or (8 if device.type == "cuda" else 1)
         if config.capacity_factor > 0:
@@ -94,7 +144,7 @@ def apply_expert_parallel(
             dispatcher = AllToAllDispatcher(
                 ep_mesh.get_group(), num_experts, module.permute_and_pad, module.unpermute, alignment
             )
-        hooks = _DispatchHooks(dispatcher)
+        hooks = _DispatchHooks(dispatcher, split)
         module.register_forward_pre_hook(hooks.before)
         module.register_forward_hook(hooks.after)
         dispatchers[path] = dispatcher

@@ -35,10 +35,12 @@ class CapacityDispatcher:
         self.dropped: torch.Tensor | None = None  # device scalar: (token, choice) pairs dropped so far
         self._pending: list[tuple[torch.Tensor, torch.Tensor, int]] = []
 
-    def dispatch(self, x_ND: torch.Tensor, num_tokens_per_expert_E: torch.Tensor):
+    def dispatch(self, x_ND: torch.Tensor, num_tokens_per_expert_E: torch.Tensor, capacity_rows: int | None = None):
+        """`capacity_rows`: the row count the capacity is sized by when ranks route different
+        counts (TP shares differing by one row); it must be the same on every ep rank."""
         N, D = x_ND.shape
         E, El, ep = self.num_experts, self.num_local_experts, self.ep
-        C = capacity_per_expert(N, E, self.capacity_factor)
+        C = capacity_per_expert(capacity_rows or N, E, self.capacity_factor)
         # Row i belongs to expert e_i (rows are sorted by expert); its slot is its rank in the group.
         offsets_E = torch.cumsum(num_tokens_per_expert_E, 0) - num_tokens_per_expert_E
         expert_N = torch.repeat_interleave(

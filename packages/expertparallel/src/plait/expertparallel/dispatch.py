@@ -46,8 +46,9 @@ class AllToAllDispatcher:
         self.host_syncs = 0  # device-to-host transfers so far (one per dispatch)
         self._pending: list[_Routed] = []
 
-    def dispatch(self, x_ND: torch.Tensor, num_tokens_per_expert_E: torch.Tensor):
-        """Rows sorted by global expert + counts [E] -> (rows for the local experts, their counts)."""
+    def dispatch(self, x_ND: torch.Tensor, num_tokens_per_expert_E: torch.Tensor, capacity_rows: int | None = None):
+        """Rows sorted by global expert + counts [E] -> (rows for the local experts, their counts).
+        (`capacity_rows` is the capacity mode's; dropless sends every row.)"""
         counts_RE = num_tokens_per_expert_E.view(self.ep, self.num_local_experts)  # [ep, E_local]
         received_RE = torch.empty_like(counts_RE)
         dist.all_to_all_single(received_RE, counts_RE.contiguous(), group=self.group)

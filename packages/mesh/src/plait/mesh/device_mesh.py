@@ -61,6 +61,7 @@ class Meshes:
     tp: DeviceMesh | None = None
     ep: DeviceMesh | None = None
     etp: DeviceMesh | None = None
+    ep_etp: DeviceMesh | None = None  # 2D (ep, etp) when etp > 1: routed experts' (Shard(0), Shard(hidden))
     efsdp: DeviceMesh | None = None  # what FSDP shards routed experts over
 
     @property
@@ -125,6 +126,8 @@ def build_meshes(dims: ParallelDims, device_type: str = "cpu") -> Meshes:
         meshes.efsdp = _view(s, ("efsdp",), "efsdp")
         meshes.ep = _view(s, ("ep",), "ep")
         meshes.etp = _view(s, ("etp",), "etp")
+        if dims.etp > 1:
+            meshes.ep_etp = s["ep", "etp"]
     return meshes
 
 

@@ -10,7 +10,7 @@ only their local shards are materialised and initialised (`init = "sharded"`).
 """
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -81,6 +81,9 @@ def _parallelize(config: Config, plan: RunPlan, meshes: Meshes, device: torch.de
     if meshes.dims.tp > 1:
         tp = plan.parallel_modules["tp"]
         tp_cfg = tp_config(tp, config)
+        if meshes.dims.ep > 1 and meshes.dims.etp == 1:
+            # Expert parallel keeps these experts whole (etp = 1) and owns them.
+            tp_cfg = replace(tp_cfg, external_modules=tuple(info["experts"]))
         tp.apply_tensor_parallel(model, meshes.tp, info["tp_plan"], tp_cfg)
         loss_parallel = tp.uses_loss_parallel(info["tp_plan"], tp_cfg, meshes.dims.tp)
     cp_layout, dispatchers = None, None
@@ -91,7 +94,9 @@ def _parallelize(config: Config, plan: RunPlan, meshes: Meshes, device: torch.de
         # dp2ep: routed experts sharded on E over the ep ranks (borrowed from dp_shard x cp); data
         # parallel then shards them over what is left (efsdp).
         ep = plan.parallel_modules["ep"]
-        dispatchers = ep.apply_expert_parallel(model, meshes.ep, info["experts"], ep_config(ep, config))
+        dispatchers = ep.apply_expert_parallel(
+            model, meshes.ep, info["experts"], ep_config(ep, config), tp_mesh=meshes.tp, ep_etp_mesh=meshes.ep_etp
+        )
 
     apply_activation_checkpointing(
         model, blocks, config.training.activation_checkpoint, config.training.activation_checkpoint_every

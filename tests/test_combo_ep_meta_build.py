@@ -1,0 +1,106 @@
+"""Expert parallel at full size without the hardware: the shipped DeepSeek-V3 16B / 236B / 671B
+configs validate, build their meshes and their sharded model on the meta device under a fake
+process group of their world size, and routed experts get the placements FSDP x EP x TP needs
+(the table in shared/seeds/fsdp-tp-for-expert-parallel.txt)."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from plait.trainer.testing import cli_env
+
+# One process builds every case (a fake process group per case): one torch import, not five.
+BUILD = textwrap.dedent(
+    """
+    import dataclasses, json, sys
+    import torch, torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from plait.mesh import build_meshes
+    from plait.trainer.config import build_config, load_toml
+    from plait.trainer.parallelize import parallelize
+    from plait.trainer.validate import validate
+
+    def placements(p):
+        return [repr(x) for x in p.placements] if isinstance(p, DTensor) else None
+
+    for config_name, world, overrides in json.loads(sys.argv[1]):
+        raw = load_toml(config_name)
+        raw.setdefault("parallelism", {}).update(overrides)
+        config = build_config(raw)
+        config = dataclasses.replace(
+            config,
+            model=dataclasses.replace(config.model, tokenizer_path="", init="sharded"),
+            training=dataclasses.replace(config.training, compile=False),
+        )
+        dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+        plan = validate(config, world_size=world)
+        meshes = build_meshes(plan.dims, "cpu")
+        model = parallelize(config, plan, meshes, torch.device("meta")).inner
+        first_experts = plan.info["experts"][0]
+        params = dict(model.named_parameters())
+        print(json.dumps({
+            "dims": {**dataclasses.asdict(plan.dims), "efsdp": plan.dims.efsdp},
+            "w1": placements(params[first_experts + ".w1"]),
+            "w2": placements(params[first_experts + ".w2"]),
+            "w1_local": list(params[first_experts + ".w1"].to_local().shape),
+            "w1_shape": list(params[first_experts + ".w1"].shape),
+            "meta": all(p.is_meta or (isinstance(p, DTensor) and p.to_local().is_meta) for p in params.values()),
+        }))
+        dist.destroy_process_group()
+    """
+)
+
+STRIDED = "_StridedShard(dim=0, sf=2)"
+# name -> (config, world, parallelism overrides, expected w1 / w2 placements or None to skip)
+CASES = {
+    # the seed's table: FSDP 4, TP 2, EP 2 (experts' FSDP 2 since dp_shard mod ep == 2)
+    "fsdp4_tp2_ep2_etp2": (
+        "deepseek_v3_debugmodel.toml", 8, {"dp_shard": 4, "tp": 2, "ep": 2, "etp": 2},
+        [STRIDED, "Shard(dim=0)", "Shard(dim=2)"], [STRIDED, "Shard(dim=0)", "Shard(dim=1)"],
+    ),
+    "hsdp2x4_tp2_ep2_etp2": (
+        "deepseek_v3_debugmodel.toml", 16, {"dp_replicate": 2, "dp_shard": 4, "tp": 2, "ep": 2, "etp": 2},
+        ["Replicate()", STRIDED, "Shard(dim=0)", "Shard(dim=2)"],
+        ["Replicate()", STRIDED, "Shard(dim=0)", "Shard(dim=1)"],
+    ),
+    # etp 1: experts whole, sharded over ep (borrowed from dp_shard x tp) and FSDP over efsdp: on
+    # the expert dim when efsdp divides the local experts, else on their input dim.
+    "16B_64_ranks": ("deepseek_v3_16B.toml", 64, {}, ["_StridedShard(dim=0, sf=8)", "Shard(dim=0)"], None),
+    "236B_128_ranks": ("deepseek_v3_236B.toml", 128, {}, ["_StridedShard(dim=0, sf=32)", "Shard(dim=0)"], None),
+    "671B_512_ranks": ("deepseek_v3_671B.toml", 512, {}, ["Shard(dim=1)", "Shard(dim=0)"], None),  # 4 local < efsdp 8
+}
+
+
+@pytest.fixture(scope="module")
+def built():
+    cases = [[config, world, overrides] for config, world, overrides, *_ in CASES.values()]
+    result = subprocess.run(
+        [sys.executable, "-c", BUILD, json.dumps(cases)], capture_output=True, text=True, env=cli_env(), timeout=240
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == len(CASES), result.stdout
+    return dict(zip(CASES, map(json.loads, lines)))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_expert_placements_and_meta_build(case, built):
+    _, world, _, w1, w2 = CASES[case]
+    got = built[case]
+    assert got["meta"], "a parameter was materialised: the meta build must allocate nothing"
+    assert got["w1"] == w1
+    if w2 is not None:
+        assert got["w2"] == w2
+    dims = got["dims"]
+    # A rank holds about 1/(ep x efsdp x etp) of the experts' weights: E / ep experts split on E
+    # (rank 0 holds the ceiling) or on the input dim over efsdp, and 1/etp of the hidden dim.
+    E, dim, hidden = got["w1_shape"]
+    on_experts = w1[-1 - (dims["etp"] > 1)] == "Shard(dim=0)" and "Shard(dim=1)" not in w1
+    expected = [-(-(E // dims["ep"]) // dims["efsdp"]), dim, hidden // dims["etp"]] if on_experts else [
+        E // dims["ep"], dim // dims["efsdp"], hidden // dims["etp"]]
+    assert got["w1_local"] == expected
+    assert dims["world_size"] == world
