@@ -5,12 +5,17 @@ the rows; etp = tp: experts' hidden dim split too), with all of them at 8 ranks,
 activation checkpointing + accumulation, each matches the one-rank run; bad EP layouts fail
 before any collective with one line."""
 
+import shutil
+from pathlib import Path
+
 import pytest
+import torch
 
 from plait.trainer.config import ConfigError, build_config
-from plait.trainer.testing import losses, parity_args, run_cli
+from plait.trainer.testing import losses, parity_args, read_metrics, run_cli
 from plait.trainer.validate import validate
 
+MOE_LAYERS = 5  # debugmodel: 6 layers, the first dense
 COMMON = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", *parity_args(steps=4)]
 # fmt: off
 LAYOUTS = {  # name -> (ranks, local batch, extra args); the global batch is 4 everywhere
@@ -37,11 +42,21 @@ LAYOUTS = {  # name -> (ranks, local batch, extra args); the global batch is 4 e
 # fmt: on
 
 
+# Every step saved (resharding tests start from them) and an fp32 HF export at the end.
+SAVES = ["--checkpoint.enable", "true", "--checkpoint.interval", "1", "--checkpoint.last_save_in_hf", "true",
+         "--checkpoint.export_dtype", "float32"]
+
+
 @pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
+def one_rank_dump(tmp_path_factory):
     dump = tmp_path_factory.mktemp("one")
-    run_cli(dump, *COMMON, "--training.local_batch_size", "4")
-    return losses(dump)
+    run_cli(dump, *COMMON, *SAVES, "--training.local_batch_size", "4")
+    return dump
+
+
+@pytest.fixture(scope="module")
+def one_rank(one_rank_dump):
+    return read_metrics(one_rank_dump)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -52,7 +67,17 @@ def test_trainer_expert_parallel_matches_one_rank(layout, one_rank, tmp_path):
         timeout=300,
     )
     assert "ep=" in result.stdout
-    assert losses(tmp_path) == pytest.approx(one_rank, abs=1e-5, rel=0)
+    rows = read_metrics(tmp_path)
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in one_rank], abs=1e-5, rel=0)
+    # The global norm over expert and non-expert gradients (clipping uses it): doubled expert
+    # gradients (the EP = 2 bug upstream, pytorch#160285) or an expert mesh counted twice change it.
+    assert [r["grad_norm"] for r in rows] == pytest.approx([r["grad_norm"] for r in one_rank], rel=1e-5)
+    # Per MoE layer max/mean tokens per expert, from the counts summed over the dp x cp ranks.
+    assert all(len(r["moe_imbalance"]) == MOE_LAYERS and min(r["moe_imbalance"]) >= 1.0 for r in rows)
+    if "full_ac" not in layout:  # (full AC recomputes the block, dispatch included)
+        # Dropless: exactly one host sync per MoE layer and micro-batch; capacity mode: none.
+        expected = 0 if "capacity" in layout else MOE_LAYERS
+        assert [r["moe_host_syncs"] for r in rows] == [expected] * len(rows)
 
 
 def test_capacity_mode_drops_and_counts_tokens_over_capacity(tmp_path):
@@ -62,6 +87,7 @@ def test_capacity_mode_drops_and_counts_tokens_over_capacity(tmp_path):
     )
     dropped = int(result.stdout.split("expert capacity dropped ")[1].split()[0])
     assert dropped > 0
+    assert sum(r["moe_dropped"] for r in read_metrics(tmp_path)) == dropped  # per step in metrics.jsonl
     assert all(loss == loss for loss in losses(tmp_path))  # trains (finite losses) with tokens dropped
 
 
@@ -89,3 +115,70 @@ def test_shipped_deepseek_v3_16b_config_validates_with_expert_parallel():
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, tokenizer_path=""))
     plan = validate(config, world_size=64)  # 8 nodes x 8 GPUs: ep 8 borrowed from dp_shard 64, efsdp 8
     assert plan.dims.ep == 8 and plan.dims.efsdp == 8
+
+
+def _resume(saved: Path, step: int, dump: Path, ranks: int, batch: int, *extra: str) -> list[float]:
+    """Resume `saved`'s step-`step` checkpoint in `dump` on another layout; the resumed losses."""
+    name = f"step-{step:06d}"
+    shutil.copytree(saved / "checkpoints" / name, dump / "checkpoints" / name)
+    run_cli(dump, *COMMON, *SAVES, "--training.local_batch_size", str(batch), "--nproc-per-node", str(ranks),
+            *extra, timeout=300)
+    return losses(dump)
+
+
+def _hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors
+
+
+def test_checkpoints_reshard_across_expert_parallel_degrees_and_export_every_expert(one_rank_dump, tmp_path):
+    """EP 4 saves; EP 2 resumes it, 1 rank resumes that, and EP 4 resumes the 1-rank run: every
+    resumed step matches the uninterrupted 1-rank run. The HF export of the EP 4 run holds every
+    expert of every MoE layer, equal to the 1-rank run's."""
+    expected = losses(one_rank_dump)
+    ep4 = tmp_path / "ep4"
+    run_cli(ep4, *COMMON, *SAVES, "--training.local_batch_size", "1", "--nproc-per-node", "4",
+            "--parallelism.ep", "4", timeout=300)
+    assert losses(ep4) == pytest.approx(expected, abs=1e-5, rel=0)
+    assert _resume(ep4, 2, tmp_path / "ep2", 2, 2, "--parallelism.ep", "2") == pytest.approx(expected[2:], abs=1e-5)
+    assert _resume(tmp_path / "ep2", 3, tmp_path / "ep1", 1, 4) == pytest.approx(expected[3:], abs=1e-5)
+    back = _resume(one_rank_dump, 1, tmp_path / "back", 4, 1, "--parallelism.ep", "4")
+    assert back == pytest.approx(expected[1:], abs=1e-5)
+
+    exported = _hf_tensors(next((ep4 / "checkpoints").glob("hf-step-*")))
+    reference = _hf_tensors(next((one_rank_dump / "checkpoints").glob("hf-step-*")))
+    experts = [k for k in reference if ".mlp.experts." in k]
+    assert len(experts) == MOE_LAYERS * 8 * 3  # gate, up and down projection of each of 8 experts
+    assert sorted(exported) == sorted(reference)
+    for key in experts:
+        assert torch.allclose(exported[key], reference[key], atol=1e-5), key
+
+
+def _bias_after_training(rank, world_size, dump, argv):
+    from plait.trainer.cli import parse_args
+    from plait.trainer.config import build_config, load_toml
+    from plait.trainer.train import Trainer
+
+    args = parse_args(["--job.dump_folder", dump, *argv])
+    trainer = Trainer(build_config(load_toml(args.config or "deepseek_v3_debugmodel.toml"), args.overrides))
+    trainer.train()
+    return {k: v.clone() for k, v in trainer.pm.inner.named_buffers() if k.endswith("expert_bias")}
+
+
+def test_expert_bias_is_bit_identical_on_every_rank(tmp_path):
+    """Aux-loss-free balancing under FSDP 2 x TP 2 x EP 2 (etp 1) with accumulation: the counts
+    are summed over the ranks that routed different tokens, so all 4 ranks move every bias alike."""
+    from plait.mesh.testing import run_on_ranks
+
+    argv = [*COMMON, "--training.local_batch_size", "1", "--training.gradient_accumulation_steps", "2",
+            "--parallelism.tp", "2", "--parallelism.ep", "2", "--model.load_balance_coeff", "0.01"]
+    biases = run_on_ranks(_bias_after_training, 4, str(tmp_path), argv, timeout=240)
+    assert len(biases[0]) == MOE_LAYERS
+    assert any(b.abs().sum() > 0 for b in biases[0].values())  # balancing moved them
+    for other in biases[1:]:
+        for key, bias in biases[0].items():
+            assert torch.equal(other[key], bias), key

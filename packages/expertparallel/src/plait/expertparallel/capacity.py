@@ -49,8 +49,9 @@ class CapacityDispatcher:
         position_N = torch.arange(N, device=x_ND.device) - offsets_E[expert_N]
         kept_N = position_N < C
         slot_N = torch.where(kept_N, expert_N * C + position_N, E * C)  # dropped rows -> a dump slot
-        dropped = (~kept_N).sum()
-        self.dropped = dropped if self.dropped is None else self.dropped + dropped
+        if torch.is_grad_enabled():  # training forwards (and their recomputation), not evaluation
+            dropped = (~kept_N).sum()
+            self.dropped = dropped if self.dropped is None else self.dropped + dropped
         send = x_ND.new_zeros(E * C + 1, D).index_copy(0, slot_N, x_ND)[: E * C]  # [ep * El * C, D]
         received = all_to_all_single_autograd(send, None, None, self.group)  # [ep(src), El, C, D]
         # Expert-major for the grouped GEMM: [El, ep(src), C, D], every expert ep * C rows.

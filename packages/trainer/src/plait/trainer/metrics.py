@@ -82,6 +82,7 @@ class _Window:
     grad_norms: list[torch.Tensor] = field(default_factory=list)
     lrs: list[float] = field(default_factory=list)
     data_s: list[float] = field(default_factory=list)
+    extras: list[dict] = field(default_factory=list)  # per step: name -> device tensor or number
     start: float = field(default_factory=time.perf_counter)
     excluded_s: float = 0.0  # time inside the window that was not training (validation)
 
@@ -128,14 +129,18 @@ class MetricsLogger:
 
                 self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True, leave=False)
 
-    def record(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, data_s: float) -> None:
-        """Keep one step's values (device tensors, no sync)."""
+    def record(
+        self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, data_s: float, extra: dict | None = None
+    ) -> None:
+        """Keep one step's values (device tensors, no sync). `extra`: more named values of this
+        rank (MoE load imbalance per layer, drops, host syncs), scalars or 1-D tensors."""
         w = self.window
         w.steps.append(step)
         w.losses.append(loss.detach().float().reshape(()))
         w.grad_norms.append(grad_norm.detach().float().reshape(()).to(loss.device))
         w.lrs.append(lr)
         w.data_s.append(data_s)
+        w.extras.append(dict(extra or {}))
 
     def exclude(self, seconds: float) -> None:
         """Leave `seconds` (e.g. validation) out of the current window's throughput."""
@@ -154,6 +159,7 @@ class MetricsLogger:
             dist.all_reduce(losses, op=dist.ReduceOp.SUM, group=self.loss_mesh.get_group())
             losses = losses / self.loss_mesh.size()
         values = torch.stack([losses, torch.stack(w.grad_norms)]).cpu().tolist()
+        extras = _extras_to_host(w.extras, losses.device)
         n = len(w.steps)
         step_s = elapsed / n
         tps_rank = self.tokens_per_rank / step_s
@@ -174,6 +180,7 @@ class MetricsLogger:
                     "memory_gib": mem,
                     "step_time_s": step_s,
                     "data_time_s": w.data_s[i],
+                    **extras[i],
                 }
             )
         self.window = _Window()
@@ -187,8 +194,11 @@ class MetricsLogger:
             self.jsonl.write(json.dumps(row) + "\n")
             if self.tb is not None:
                 for key, value in row.items():
-                    if key != "step" and isinstance(value, float) and math.isfinite(value):
+                    if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                         self.tb.add_scalar(key, value, row["step"])
+                    elif isinstance(value, list):  # per layer: one curve each
+                        for i, v in enumerate(value):
+                            self.tb.add_scalar(f"{key}/{i}", v, row["step"])
         self.jsonl.flush()
         last = rows[-1]
         line = (
@@ -197,6 +207,8 @@ class MetricsLogger:
             f"TFLOP/s {last['tflops_per_rank']:.3f}/rank  mfu {100 * last['mfu']:5.1f}%  "
             f"mem {last['memory_gib']:.2f} GiB  data {1000 * last['data_time_s']:.1f} ms"
         )
+        if "moe_imbalance" in last:
+            line += f"  moe max/mean {max(last['moe_imbalance']):.2f}"
         if self.bar is not None:
             self.bar.update(len(rows))
             self.bar.set_postfix(loss=f"{last['loss']:.4f}", refresh=False)
@@ -221,3 +233,18 @@ class MetricsLogger:
             self.tb.close()
         if self.jsonl is not None:
             self.jsonl.close()
+
+
+def _extras_to_host(extras: list[dict], device: torch.device) -> list[dict]:
+    """Every step's extra values as Python numbers / lists, with one device-to-host copy."""
+    tensors = [(i, k, v) for i, row in enumerate(extras) for k, v in row.items() if isinstance(v, torch.Tensor)]
+    host = [dict((k, v) for k, v in row.items() if not isinstance(v, torch.Tensor)) for row in extras]
+    if tensors:
+        flat = torch.cat([v.detach().float().reshape(-1).to(device) for _, _, v in tensors]).cpu().tolist()
+        offset = 0
+        for i, key, v in tensors:
+            n = v.numel()
+            values = flat[offset : offset + n]
+            host[i][key] = values if v.dim() > 0 else (int(values[0]) if not v.is_floating_point() else values[0])
+            offset += n
+    return host

@@ -21,6 +21,7 @@ from .checkpoint import CheckpointManager
 from .config import Config, ConfigError, to_toml
 from .lr_scheduler import build_lr_scheduler
 from .metrics import MetricsLogger, peak_tflops
+from .moe_step import MoEStep
 from .optimizer import build_optimizer
 from .parallelize import parallelize
 from .validate import RunPlan, validate
@@ -70,38 +71,6 @@ class _StopSignal:
 
     def restore(self):
         signal.signal(signal.SIGTERM, self._previous)
-
-
-def _moe_hooks(model, model_args, meshes):
-    """(aux_loss_fn, after_step_fn) for MoE models, (None, None) for dense ones."""
-    try:
-        from plait.models.moe import moe_aux_loss, update_moe_load_balance
-        from plait.models.moe.router import TokenChoiceTopKRouter
-    except ImportError:
-        return None, None
-    if not any(isinstance(m, TokenChoiceTopKRouter) for m in model.modules()):
-        return None, None
-    group = meshes.dp_cp.get_group() if meshes.dp_cp is not None else None
-
-    def reduce_counts(counts):
-        if group is not None:
-            dist.all_reduce(counts, group=group)
-
-    coeff = getattr(model_args, "load_balance_coeff", 0.0)
-
-    def after_step():
-        if coeff:
-            update_moe_load_balance(model, coeff, reduce_counts=reduce_counts)
-
-    tp = meshes.dims.tp
-
-    def aux(model):
-        # Every TP rank computes the same aux loss inside the MoE's TP region, whose entry sums the
-        # ranks' input gradients: each rank contributes 1/tp, so the gradient arrives exactly once.
-        loss = moe_aux_loss(model)
-        return loss / tp if tp > 1 else loss
-
-    return (aux if getattr(model_args, "aux_loss_coeff", 0.0) else None), after_step
 
 
 def _build_loader(config: Config, plan: RunPlan, meshes, dataset: str, split: str, accumulation: int):
@@ -162,7 +131,7 @@ class Trainer:
         self.loader = _build_loader(
             config, self.plan, self.meshes, config.data.dataset, "train", config.training.gradient_accumulation_steps
         )
-        self.aux_loss, self.after_step = _moe_hooks(self.pm.inner, self.plan.model_args, self.meshes)
+        self.moe = MoEStep.for_model(self.pm.inner, self.plan.model_args, self.meshes, self.pm.dispatchers)
         self.loss_context = self._loss_context_factory()
         # Under training.compile the loss is compiled too (the fp32 upcast fuses into the
         # log-softmax); not on tensor-parallel (DTensor) logits.
@@ -201,7 +170,7 @@ class Trainer:
         return count.clamp(min=1.0)
 
     def _aux(self, loss: torch.Tensor, accumulation: int) -> torch.Tensor:
-        aux = self.aux_loss(self.pm.inner) / accumulation
+        aux = self.moe.aux_loss() / accumulation
         if isinstance(loss, DTensor) and not isinstance(aux, DTensor):
             # Loss parallel makes the loss a replicated DTensor; the aux loss joins it as one.
             aux = DTensor.from_local(aux, loss.device_mesh, [Replicate()], run_check=False)
@@ -222,7 +191,7 @@ class Trainer:
                 with autocast:
                     logits_BSV = self.model(inputs_BS, positions)
                     loss = self.loss_fn(logits_BSV, labels_BS) * scale
-                    total = loss + self._aux(loss, accumulation) if self.aux_loss else loss
+                    total = loss + self._aux(loss, accumulation) if self.moe and self.moe.aux_enabled else loss
                 total.backward()
             detached = loss.detach()
             if isinstance(detached, DTensor):
@@ -234,8 +203,8 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        if self.after_step is not None:
-            self.after_step()
+        if self.moe is not None:
+            self.moe.after_step()
         return step_loss, norm
 
     @torch.no_grad()
@@ -350,7 +319,7 @@ class Trainer:
                     data_s = time.perf_counter() - t0
                     lr = self.scheduler.get_last_lr()[0]
                     loss, norm = self.train_step(micro_batches)
-                    metrics.record(self.step, loss, norm, lr, data_s)
+                    metrics.record(self.step, loss, norm, lr, data_s, self.moe.step_metrics() if self.moe else None)
                     if prof is not None:
                         prof.step()
                     last = self.step == c.training.steps

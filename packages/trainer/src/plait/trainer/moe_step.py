@@ -1,0 +1,80 @@
+"""What a training step does for MoE models around forward/backward: the aux loss's share, the
+load-balance bias update, and the step's MoE metrics.
+
+- Load balance: the routers' token counts summed over every rank that routed different tokens
+  (dp x cp; TP ranks route the same tokens inside the MoE's TP region, expert parallel moves
+  tokens but not routing decisions), so every rank applies the same bias update.
+- Metrics per step, all on the device until the metrics flush: load imbalance per MoE layer
+  (max / mean tokens per expert, from those same summed counts; 1.0 is perfect balance),
+  (token, expert) pairs the capacity mode dropped on this rank, and the dispatchers' host syncs.
+"""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class MoEStep:
+    def __init__(self, model: nn.Module, model_args, meshes, dispatchers: dict | None):
+        self.model = model
+        self.group = meshes.dp_cp.get_group() if meshes.dp_cp is not None else None
+        self.tp = meshes.dims.tp
+        self.coeff = getattr(model_args, "load_balance_coeff", 0.0) or 0.0
+        self.aux_enabled = bool(getattr(model_args, "aux_loss_coeff", 0.0))
+        self.dispatchers = dispatchers or {}
+        self._imbalance_L: torch.Tensor | None = None
+        self._host_syncs_seen = self._host_syncs()
+        self._dropped_seen: torch.Tensor | None = None
+
+    @classmethod
+    def for_model(cls, model: nn.Module, model_args, meshes, dispatchers: dict | None) -> "MoEStep | None":
+        try:
+            from plait.models.moe.router import TokenChoiceTopKRouter
+        except ImportError:
+            return None
+        if not any(isinstance(m, TokenChoiceTopKRouter) for m in model.modules()):
+            return None
+        return cls(model, model_args, meshes, dispatchers)
+
+    def aux_loss(self) -> torch.Tensor | float:
+        """The sequence-wise balance loss of the last forward, this rank's share of it."""
+        from plait.models.moe import moe_aux_loss
+
+        # Every TP rank computes the same aux loss inside the MoE's TP region, whose entry sums the
+        # ranks' input gradients: each rank contributes 1/tp, so the gradient arrives exactly once.
+        loss = moe_aux_loss(self.model)
+        return loss / self.tp if self.tp > 1 else loss
+
+    def _reduce_counts(self, counts_LE: torch.Tensor) -> None:
+        if self.group is not None:
+            dist.all_reduce(counts_LE, group=self.group)
+        counts_LE = counts_LE.float()
+        self._imbalance_L = counts_LE.max(dim=1).values / counts_LE.mean(dim=1).clamp(min=1e-9)
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """Once per optimizer step: move the bias (a zero step when balancing is off) and reset
+        the counters; the summed counts also give the step's imbalance."""
+        from plait.models.moe import update_moe_load_balance
+
+        update_moe_load_balance(self.model, self.coeff, reduce_counts=self._reduce_counts)
+
+    def _host_syncs(self) -> int:
+        return sum(d.host_syncs for d in self.dispatchers.values())
+
+    def step_metrics(self) -> dict:
+        """This step's MoE metrics (device tensors and ints, no sync); call after after_step."""
+        metrics: dict = {}
+        if self._imbalance_L is not None:
+            metrics["moe_imbalance"] = self._imbalance_L
+        if self.dispatchers:
+            syncs = self._host_syncs()
+            metrics["moe_host_syncs"] = syncs - self._host_syncs_seen
+            self._host_syncs_seen = syncs
+        drops = [d.dropped for d in self.dispatchers.values() if getattr(d, "dropped", None) is not None]
+        if drops:
+            total = torch.stack([d.reshape(()) for d in drops]).sum()
+            seen = self._dropped_seen if self._dropped_seen is not None else torch.zeros_like(total)
+            metrics["moe_dropped"] = total - seen
+            self._dropped_seen = total
+        return metrics
