@@ -42,21 +42,17 @@ LAYOUTS = {  # name -> (ranks, local batch, extra args); the global batch is 4 e
 # fmt: on
 
 
-# Every step saved (resharding tests start from them) and an fp32 HF export at the end.
-SAVES = ["--checkpoint.enable", "true", "--checkpoint.interval", "1", "--checkpoint.last_save_in_hf", "true",
-         "--checkpoint.export_dtype", "float32"]
+# Resharding runs: every step saved, an fp32 HF export at the end (which needs sigmoid routing,
+# the scores HF's DeepseekV3 computes).
+SAVES = ["--model.score_func", "sigmoid", "--checkpoint.enable", "true", "--checkpoint.interval", "1",
+         "--checkpoint.last_save_in_hf", "true", "--checkpoint.export_dtype", "float32"]
 
 
 @pytest.fixture(scope="module")
-def one_rank_dump(tmp_path_factory):
+def one_rank(tmp_path_factory):
     dump = tmp_path_factory.mktemp("one")
-    run_cli(dump, *COMMON, *SAVES, "--training.local_batch_size", "4")
-    return dump
-
-
-@pytest.fixture(scope="module")
-def one_rank(one_rank_dump):
-    return read_metrics(one_rank_dump)
+    run_cli(dump, *COMMON, "--training.local_batch_size", "4")
+    return read_metrics(dump)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -135,10 +131,12 @@ def _hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def test_checkpoints_reshard_across_expert_parallel_degrees_and_export_every_expert(one_rank_dump, tmp_path):
+def test_checkpoints_reshard_across_expert_parallel_degrees_and_export_every_expert(tmp_path):
     """EP 4 saves; EP 2 resumes it, 1 rank resumes that, and EP 4 resumes the 1-rank run: every
     resumed step matches the uninterrupted 1-rank run. The HF export of the EP 4 run holds every
     expert of every MoE layer, equal to the 1-rank run's."""
+    one_rank_dump = tmp_path / "one"
+    run_cli(one_rank_dump, *COMMON, *SAVES, "--training.local_batch_size", "4")
     expected = losses(one_rank_dump)
     ep4 = tmp_path / "ep4"
     run_cli(ep4, *COMMON, *SAVES, "--training.local_batch_size", "1", "--nproc-per-node", "4",
@@ -182,3 +180,17 @@ def test_expert_bias_is_bit_identical_on_every_rank(tmp_path):
     for other in biases[1:]:
         for key, bias in biases[0].items():
             assert torch.equal(other[key], bias), key
+
+
+def test_sequence_wise_aux_loss_is_exact_under_context_tensor_and_expert_parallel(tmp_path):
+    """The sequence-wise balance loss under CP 2 x TP 2 x EP 4: the expert-choice counts of each
+    sequence are summed over its cp ranks, each TP rank adds 1/tp, and the gradient (the norm
+    includes the aux term's) and losses match one rank."""
+    aux = ["--model.aux_loss_coeff", "0.1"]
+    run_cli(tmp_path / "one", *COMMON, *aux, "--training.local_batch_size", "4")
+    run_cli(tmp_path / "many", *COMMON, *aux, "--training.local_batch_size", "4", "--nproc-per-node", "4",
+            "--parallelism.dp_shard", "1", "--parallelism.cp", "2", "--parallelism.tp", "2", "--parallelism.ep", "4",
+            "--parallelism.cp_method", "ring", timeout=300)
+    one, many = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "many")
+    assert [r["loss"] for r in many] == pytest.approx([r["loss"] for r in one], abs=1e-5, rel=0)
+    assert [r["grad_norm"] for r in many] == pytest.approx([r["grad_norm"] for r in one], rel=1e-5)

@@ -54,29 +54,32 @@ class LoopExperts(nn.Module):
 ROWS = 24  # (token, choice) pairs per rank: the same on every rank, as in training
 
 
-def _tokens(rank):
+def _tokens(rank, routing="random"):
     g = torch.Generator().manual_seed(100 + rank)
-    experts = torch.randint(0, E - 1, (ROWS,), generator=g)
-    experts = experts + (experts >= rank % E).long()  # expert rank % E gets nothing from this rank
+    if routing == "one_expert":  # every row of every rank goes to expert 3; the others get none
+        experts = torch.full((ROWS,), 3)
+    else:  # expert E - 1 receives no token at all, expert rank % (E - 1) none from this rank
+        experts = torch.randint(0, E - 2, (ROWS,), generator=g)
+        experts = experts + (experts >= rank % (E - 1)).long()
     counts = torch.bincount(experts, minlength=E)
     return torch.randn(ROWS, D, generator=g), counts
 
 
-def _check(rank, world_size, capacity_factor=0.0):
+def _check(rank, world_size, capacity_factor=0.0, routing="random"):
     meshes = build_meshes(ParallelDims(dp_shard=world_size, ep=world_size, world_size=world_size))
     holder = nn.Module()
     holder.experts = LoopExperts()
     full = LoopExperts()
     config = ExpertParallelConfig(capacity_factor=capacity_factor)
     dispatchers = apply_expert_parallel(holder, meshes.ep, ["experts"], config)
-    x, counts = _tokens(rank)
+    x, counts = _tokens(rank, routing)
     x = x.requires_grad_()
     y = holder.experts(x, counts)
     y.backward(torch.ones_like(y))
     # Reference: every rank's tokens through the unsharded experts on this process.
     ref_y = ref_dx = None
     for r in range(world_size):
-        xr, cr = _tokens(r)
+        xr, cr = _tokens(r, routing)
         xr = xr.requires_grad_()
         yr = full(xr, cr)
         yr.backward(torch.ones_like(yr))
@@ -109,9 +112,9 @@ def _check(rank, world_size, capacity_factor=0.0):
     )
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_dropless_dispatch_matches_unsharded_experts(world_size):
-    for result in run_on_ranks(_check, world_size, timeout=120):
+@pytest.mark.parametrize("world_size, routing", [(2, "random"), (4, "random"), (4, "one_expert")])
+def test_dropless_dispatch_matches_unsharded_experts(world_size, routing):
+    for result in run_on_ranks(_check, world_size, 0.0, routing, timeout=120):
         assert result["local_shape"] == (E // world_size, D, H)
         assert result["y"] < 1e-5 and result["dx"] < 1e-5 and result["w"] < 1e-5, result
         assert result["syncs"] == 1  # one device-to-host transfer per MoE layer and micro-batch

@@ -19,6 +19,8 @@ class MoEStep:
         self.model = model
         self.group = meshes.dp_cp.get_group() if meshes.dp_cp is not None else None
         self.tp = meshes.dims.tp
+        self.cp = meshes.dims.cp
+        self.cp_group = meshes.cp.get_group() if meshes.cp is not None else None
         self.coeff = getattr(model_args, "load_balance_coeff", 0.0) or 0.0
         self.aux_enabled = bool(getattr(model_args, "aux_loss_coeff", 0.0))
         self.dispatchers = dispatchers or {}
@@ -40,10 +42,15 @@ class MoEStep:
         """The sequence-wise balance loss of the last forward, this rank's share of it."""
         from plait.models.moe import moe_aux_loss
 
+        # Context parallel: each rank routed part of every sequence; the expert-choice counts are
+        # summed over the cp ranks and each rank's term carries its own tokens' affinities.
+        loss = moe_aux_loss(self.model, self.cp, self._reduce_over_cp) if self.cp > 1 else moe_aux_loss(self.model)
         # Every TP rank computes the same aux loss inside the MoE's TP region, whose entry sums the
         # ranks' input gradients: each rank contributes 1/tp, so the gradient arrives exactly once.
-        loss = moe_aux_loss(self.model)
         return loss / self.tp if self.tp > 1 else loss
+
+    def _reduce_over_cp(self, counts: torch.Tensor) -> None:
+        dist.all_reduce(counts, group=self.cp_group)
 
     def _reduce_counts(self, counts_LE: torch.Tensor) -> None:
         if self.group is not None:

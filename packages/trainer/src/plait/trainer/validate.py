@@ -323,14 +323,6 @@ def _validate_cp(cp_module, model_args, info: dict, dims: ParallelDims, config: 
         cp_module.validate_context_parallel(info, dims.cp, config.training.seq_len, cp_config(cp_module, config), dims.tp)
     except ValueError as e:
         raise ConfigError(str(e).splitlines()[0]) from None
-    if getattr(model_args, "aux_loss_coeff", 0.0) > 0:
-        # The sequence-wise balance loss needs whole-sequence routing statistics; under CP each
-        # rank routes a part of every sequence.
-        raise ConfigError(
-            f"parallelism.cp = {dims.cp} with the sequence-wise MoE aux loss (aux_loss_coeff = "
-            f"{model_args.aux_loss_coeff}) is not supported yet: set parallelism.cp = 1 or aux_loss_coeff = 0 "
-            "(the aux-loss-free bias balancing is exact under CP)."
-        )
 
 
 def ep_config(ep_module, config: Config):

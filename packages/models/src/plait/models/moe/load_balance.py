@@ -51,12 +51,37 @@ def update_moe_load_balance(
         router.update_expert_bias(coeff, counts_E)
 
 
-def moe_aux_loss(model: nn.Module) -> torch.Tensor | float:
+def moe_aux_loss(
+    model: nn.Module,
+    sequence_parts: int = 1,
+    reduce_counts: Callable[[torch.Tensor], None] | None = None,
+) -> torch.Tensor | float:
     """Sum of the sequence-wise balance losses left by the last forward (0.0 if none enabled).
 
     Read it right after the forward that produced it and add it to the loss before backward.
+
+    When every sequence is split over `sequence_parts` ranks (context parallel), each rank saw
+    part of each sequence: `reduce_counts` must sum the stacked expert-choice counts
+    `[n_moe_layers, B, E]` in place over those ranks (one collective for all layers). Each rank
+    then returns the loss with the whole sequences' counts and its own part of the affinities,
+    scaled so that the mean over the parts is the exact loss (and its gradient reaches each
+    token's affinities once, through the rank that holds the token).
     """
-    losses = [r.aux_loss for r in _routers(model) if r.aux_loss is not None]
+    routers = [r for r in _routers(model) if r.aux_loss is not None]
+    local = [r.aux_loss for r in routers]
     for r in _routers(model):
         r.aux_loss = None  # consumed: a stale loss must not be added twice
-    return torch.stack(losses).sum() if losses else 0.0
+    if not routers:
+        return 0.0
+    if sequence_parts == 1:
+        return torch.stack(local).sum()
+    chosen_LBE = torch.stack([r.aux_stats[0] for r in routers])
+    if reduce_counts is not None:
+        reduce_counts(chosen_LBE)
+    # Exact: sum over parts of balance_loss(counts, P_part, S) / parts with S = parts x S_part,
+    # P = mean of the parts' P; times parts, as the caller averages the parts' losses.
+    losses = [
+        r.balance_loss(chosen_BE, r.aux_stats[1], r.aux_stats[2] * sequence_parts)
+        for r, chosen_BE in zip(routers, chosen_LBE)
+    ]
+    return torch.stack(losses).sum()

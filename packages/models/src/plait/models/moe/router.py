@@ -54,6 +54,7 @@ class TokenChoiceTopKRouter(nn.Module):
         self.topk_groups = topk_groups
         self.aux_loss_coeff = aux_loss_coeff
         self.aux_loss: torch.Tensor | None = None
+        self.aux_stats: tuple[torch.Tensor, torch.Tensor, int] | None = None
         # Persistent: the bias is training state a checkpoint must carry (HF calls it
         # e_score_correction_bias). The counter is per-step scratch, so it is not saved.
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
@@ -115,16 +116,23 @@ class TokenChoiceTopKRouter(nn.Module):
         self, scores_TE: torch.Tensor, selected_experts_TK: torch.Tensor, num_seqs: int
     ) -> torch.Tensor:
         """alpha * sum_e f_e * P_e per sequence, averaged over sequences (DeepSeek-V3 eq. 17-20)."""
-        E, K = self.num_experts, self.top_k
+        E = self.num_experts
         S = scores_TE.shape[0] // num_seqs
         # P_e: mean normalised affinity of expert e over the sequence.
         probs_BSE = (scores_TE / scores_TE.sum(dim=-1, keepdim=True)).view(num_seqs, S, E)
         P_BE = probs_BSE.mean(dim=1)
-        # f_e: fraction of the sequence's selections that went to e, scaled so uniform == 1.
+        # How often the sequence chose each expert (no gradient: f_e is a count).
         chosen_BE = torch.zeros(num_seqs, E, device=scores_TE.device).scatter_add_(
-            1, selected_experts_TK.view(num_seqs, S * K), torch.ones(num_seqs, S * K, device=scores_TE.device)
+            1, selected_experts_TK.view(num_seqs, S * self.top_k), torch.ones(num_seqs, S * self.top_k, device=scores_TE.device)
         )
-        f_BE = chosen_BE * E / (K * S)
+        # Kept for a caller whose sequences are split over ranks (context parallel): it sums the
+        # counts over the parts and rebuilds the loss (plait.models.moe.moe_aux_loss).
+        self.aux_stats = (chosen_BE, P_BE, S)
+        return self.balance_loss(chosen_BE, P_BE, S)
+
+    def balance_loss(self, chosen_BE: torch.Tensor, P_BE: torch.Tensor, seq_len: int) -> torch.Tensor:
+        # f_e: fraction of the sequence's selections that went to e, scaled so uniform == 1.
+        f_BE = chosen_BE * self.num_experts / (self.top_k * seq_len)
         return self.aux_loss_coeff * (f_BE * P_BE).sum(dim=-1).mean()
 
     @torch.no_grad()
