@@ -66,8 +66,9 @@ def test_trainer_expert_parallel_matches_one_rank(layout, one_rank, tmp_path):
     rows = read_metrics(tmp_path)
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in one_rank], abs=1e-5, rel=0)
     # The global norm over expert and non-expert gradients (clipping uses it): doubled expert
-    # gradients (the EP = 2 bug upstream, pytorch#160285) or an expert mesh counted twice change it.
-    assert [r["grad_norm"] for r in rows] == pytest.approx([r["grad_norm"] for r in one_rank], rel=1e-5)
+    # gradients (the EP = 2 bug upstream, pytorch#160285) or an expert mesh counted twice change it
+    # by percents; blockwise attention (CP) moves it by ~1e-5 over a few steps.
+    assert [r["grad_norm"] for r in rows] == pytest.approx([r["grad_norm"] for r in one_rank], rel=1e-4)
     # Per MoE layer max/mean tokens per expert, from the counts summed over the dp x cp ranks.
     assert all(len(r["moe_imbalance"]) == MOE_LAYERS and min(r["moe_imbalance"]) >= 1.0 for r in rows)
     if "full_ac" not in layout:  # (full AC recomputes the block, dispatch included)
@@ -193,4 +194,4 @@ def test_sequence_wise_aux_loss_is_exact_under_context_tensor_and_expert_paralle
             "--parallelism.cp_method", "ring", timeout=300)
     one, many = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "many")
     assert [r["loss"] for r in many] == pytest.approx([r["loss"] for r in one], abs=1e-5, rel=0)
-    assert [r["grad_norm"] for r in many] == pytest.approx([r["grad_norm"] for r in one], rel=1e-5)
+    assert [r["grad_norm"] for r in many] == pytest.approx([r["grad_norm"] for r in one], rel=1e-4)

@@ -28,7 +28,14 @@ def _grads_by_group(parameters: Iterable[torch.Tensor]) -> dict:
 
 
 def _group_norm(grads: list[torch.Tensor], norm_type: float, foreach: bool | None) -> torch.Tensor:
-    norm = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite=False, foreach=foreach)
+    # Accumulated in float64: an fp32 norm of a large gradient is off by ~1e-4 relative on CPU
+    # (the whole output head of a small model), and by a different amount for each sharding,
+    # which would make the same gradients report different norms under different layouts.
+    if foreach is False:
+        norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) for g in grads]
+    else:
+        norms = torch._foreach_norm(grads, norm_type, dtype=torch.float64)
+    norm = torch.linalg.vector_norm(torch.stack(list(norms)), norm_type)
     # A DTensor norm is Partial/Shard over its mesh; full_tensor reduces it there, once per group.
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
@@ -41,14 +48,14 @@ def grad_norm(
 
 
 def _total_norm(groups: dict, norm_type: float, foreach: bool | None) -> torch.Tensor:
-    norms = [_group_norm(grads, norm_type, foreach).float() for grads in groups.values()]
+    norms = [_group_norm(grads, norm_type, foreach) for grads in groups.values()]
     if not norms:
         return torch.tensor(0.0)
     device = norms[0].device
     stacked = torch.stack([n.to(device) for n in norms])
     if math.isinf(norm_type):
-        return stacked.max()
-    return stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+        return stacked.max().float()
+    return stacked.pow(norm_type).sum().pow(1.0 / norm_type).float()
 
 
 def clip_grad_norm_(
