@@ -1,0 +1,39 @@
+"""MetricsLogger: per-step extra values (the MoE metrics) reach metrics.jsonl and tensorboard,
+with one device-to-host copy per flush whatever their number."""
+
+import json
+
+import torch
+
+from plait.trainer.metrics import MetricsLogger
+
+
+def _logger(tmp_path, tensorboard=True):
+    return MetricsLogger(
+        dump_folder=str(tmp_path), rank=0, world_size=1, device=torch.device("cpu"), loss_mesh=None,
+        tokens_per_step_per_rank=128, flops_per_token=1e6, peak_tflops_per_rank=1.0, tensorboard=tensorboard,
+        total_steps=2, progress_bar=False,
+    )
+
+
+def test_extra_step_values_are_written_per_step(tmp_path, capsys):
+    logger = _logger(tmp_path)
+    for step, imbalance in ((1, [1.5, 1.25]), (2, [1.0, 2.0])):
+        extra = {"moe_imbalance": torch.tensor(imbalance), "moe_host_syncs": 2, "moe_dropped": torch.tensor(step)}
+        logger.record(step, torch.tensor(3.0 - step), torch.tensor(0.5), 1e-3, 0.0, extra)
+    rows = logger.flush()
+    logger.close()
+    assert [r["moe_imbalance"] for r in rows] == [[1.5, 1.25], [1.0, 2.0]]
+    assert [r["moe_host_syncs"] for r in rows] == [2, 2]
+    assert [r["moe_dropped"] for r in rows] == [1, 2] and isinstance(rows[0]["moe_dropped"], int)
+    written = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["moe_imbalance"] for r in written] == [[1.5, 1.25], [1.0, 2.0]]
+    assert "moe max/mean 2.00" in capsys.readouterr().out
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"moe_imbalance/0", "moe_imbalance/1", "moe_host_syncs", "moe_dropped", "loss"} <= tags
+    assert [e.value for e in events.Scalars("moe_imbalance/1")] == [1.25, 2.0]
