@@ -128,7 +128,7 @@ def _check_data_parallel(config: Config, dims: ParallelDims) -> None:
 
 
 def _check_data(config: Config) -> None:
-    from plait.trainer.data.sources import resolve_source
+    from plait.trainer.data.sources import check_readable, resolve_source
 
     d = config.data
     sources = [(d.dataset, d.dataset_path or None, "train")]
@@ -137,6 +137,7 @@ def _check_data(config: Config) -> None:
     for dataset, path, split in sources:
         try:
             resolve_source(dataset, path, split)
+            check_readable(dataset, path, split, d.text_field)
         except (FileNotFoundError, ValueError) as e:
             key = "data.dataset" if split == "train" else "data.val_dataset"
             raise ConfigError(f"{key} = {dataset!r}: {e}") from None
