@@ -166,6 +166,20 @@ def _check_checkpoint(config: Config, world_size: int) -> None:
         raise ConfigError(f"checkpoint.initial_load_path = {c.initial_load_path!r}: no such folder.")
 
 
+def _check_hf_weights(config: Config, model_args) -> None:
+    """A Hugging Face folder to start from is the configured model and flavor (config.json only)."""
+    c = config.checkpoint
+    if not (c.initial_load_hf and c.initial_load_path):
+        return
+    from plait.trainer.checkpoint.hf_export import check_hf_folder
+    from plait.trainer.checkpoint.store import CheckpointError
+
+    try:
+        check_hf_folder(c.initial_load_path, config.model.name, config.model.flavor, model_args)
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _model_spec(config: Config):
     from plait.models import get_model_spec, list_models
 
@@ -269,6 +283,7 @@ def validate(config: Config, world_size: int | None = None) -> RunPlan:
         )
     _check_data_parallel(config, dims)
     _check_data(config)
+    _check_hf_weights(config, model_args)
 
     from plait.trainer.data import build_tokenizer
 
