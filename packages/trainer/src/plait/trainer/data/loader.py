@@ -25,8 +25,8 @@ import torch
 
 from .documents import MapDocuments, StreamDocuments
 from .exchange import SoloExchange
-from .sources import load_documents
-from .stream import SharedTokenStream
+from .sources import TOKENS, load_documents, resolve_source
+from .stream import IndexedTokenStream, SharedTokenStream
 from .tokenizer import Tokenizer
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]
@@ -58,7 +58,10 @@ class PackedDataLoader:
         self.global_batch_size = local_batch_size * gradient_accumulation_steps * dp_degree
         self.sequence = 0  # index in the stream of the next global batch's first sequence
         self.documents = documents
-        self._stream = SharedTokenStream(documents, exchange or SoloExchange())
+        if hasattr(documents, "length"):  # pre-tokenised: lengths known, each rank reads its rows
+            self._stream = IndexedTokenStream(documents)
+        else:
+            self._stream = SharedTokenStream(documents, exchange or SoloExchange())
 
     @property
     def encoded_documents(self) -> int:
@@ -125,8 +128,15 @@ def build_dataloader(dataset: str, dataset_path: str | None, tokenizer: Tokenize
     Map-style datasets are shuffled per epoch from `seed` for the train split and read in order
     for other splits; streaming datasets are read in order. `exchange`: see PackedDataLoader.
     """
-    ds = load_documents(dataset, dataset_path, split=split, streaming=streaming)
     name = f"{dataset_path or dataset} ({split})"
+    if dataset == TOKENS:
+        from .token_files import TokenFileDocuments
+
+        resolve_source(dataset, dataset_path, split)
+        documents = TokenFileDocuments(dataset_path, tokenizer, seed, shuffle=split == "train", split=split)
+        return PackedDataLoader(documents, tokenizer, seq_len, local_batch_size, gradient_accumulation_steps,
+                                dp_rank, dp_degree, seed, description=f"{dataset_path}:{split}")
+    ds = load_documents(dataset, dataset_path, split=split, streaming=streaming)
     if streaming:
         documents = StreamDocuments(ds, text_field, tokenizer, name=name)
     else:

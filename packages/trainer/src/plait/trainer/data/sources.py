@@ -9,6 +9,7 @@
   * "c4" | "fineweb" | "fineweb-edu"
                                  hub aliases (allenai/c4 "en", HuggingFaceFW/fineweb(-edu)
                                  "sample-10BT"); `dataset_path` may point at a local copy;
+  * "tokens"                     a folder written by `pretokenize.py` at `dataset_path` (memory-mapped);
   * "owner/name" or "owner/name:config"
                                  any hub dataset; `dataset_path` may point at a local copy.
 Hub datasets are meant to be read with `streaming=True`.
@@ -23,6 +24,7 @@ from pathlib import Path
 import datasets
 
 LOCAL_BUILDERS = ("json", "parquet", "text", "csv", "arrow")
+TOKENS = "tokens"  # a pre-tokenised folder (pretokenize.py), read without `datasets`
 _EXTENSION_BUILDERS = {
     ".json": "json", ".jsonl": "json", ".ndjson": "json",
     ".parquet": "parquet",
@@ -66,6 +68,12 @@ def resolve_source(dataset: str, dataset_path: str | None, split: str = "train")
     """(builder or hub repo, `datasets.load_dataset` keyword arguments) for a source, checking
     everything that can be checked without reading it: validation calls this before the model is
     built, so a missing file or a malformed name fails at once."""
+    if dataset == TOKENS:
+        if not dataset_path:
+            raise ValueError("dataset 'tokens' reads a pre-tokenised folder: set dataset_path to it")
+        if not os.path.isdir(dataset_path):
+            raise FileNotFoundError(f"dataset_path not found: {dataset_path!r} (a pre-tokenised folder)")
+        return TOKENS, {"folder": dataset_path}
     if dataset == "builtin":
         if dataset_path:
             raise ValueError("dataset 'builtin' is shipped with plait; it takes no dataset_path")
@@ -143,6 +151,11 @@ def check_readable(dataset: str, dataset_path: str | None, split: str, text_fiel
     """Read the first row of a local source (lazily, as a stream: cheap whatever its size), so an
     empty, undecodable or malformed file, or a missing text column, fails before the model is
     built. Hub sources are checked when they are opened."""
+    if dataset == TOKENS:
+        from .token_files import read_meta
+
+        read_meta(dataset_path)
+        return
     if not is_local(dataset):
         return
     name = dataset_path or dataset

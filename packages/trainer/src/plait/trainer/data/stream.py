@@ -34,6 +34,7 @@ class SharedTokenStream:
         self._docs: deque[Document] = deque()  # read documents, the current one first
         self._resolved = 0  # how many of _docs have their (global) length known
         self._first = 0  # number of _docs[0] since the seek: its owner is _first % size
+        self._resolved_tokens = 0  # sum of the resolved documents' lengths
         self.offset = offset
 
     def position(self) -> tuple[int, int, int, dict | None]:
@@ -74,7 +75,7 @@ class SharedTokenStream:
         return (self._first + i) % self.exchange.size
 
     def _available(self) -> int:
-        return sum(self._docs[i].length for i in range(self._resolved)) - self.offset
+        return self._resolved_tokens - self.offset
 
     def _resolve(self, need: int) -> None:
         """Read and tokenise (each rank its share) until the known lengths cover `need` tokens."""
@@ -107,6 +108,7 @@ class SharedTokenStream:
                 self._docs[i].length = lengths[owner][taken[owner]]
                 taken[owner] += 1
                 self._tokens_seen += self._docs[i].length
+                self._resolved_tokens += self._docs[i].length
             self._docs_seen += target - self._resolved
             self._resolved = target
 
@@ -127,7 +129,35 @@ class SharedTokenStream:
         end = self.offset + total  # in coordinates of _docs[0]'s start
         while self._resolved and self._docs[0].length <= end:
             end -= self._docs[0].length
+            self._resolved_tokens -= self._docs[0].length
             self._docs.popleft()
             self._resolved -= 1
             self._first += 1
         self.offset = end
+
+
+class IndexedTokenStream(SharedTokenStream):
+    """The same stream over documents whose lengths are known up front (a pre-tokenised folder):
+    every rank lays out the stream alone, from the offsets, and reads only the token ranges of its
+    own rows. No tokenising, no collective."""
+
+    def __init__(self, documents):
+        from .exchange import SoloExchange
+
+        super().__init__(documents, SoloExchange())
+
+    def take(self, total: int, lo: int, hi: int) -> np.ndarray:
+        self._resolve(total)
+        out = [self.documents.slice(d, max(lo, s) - s, min(hi, e) - s)
+               for _, d, s, e in self._spans(total) if s < hi and e > lo]
+        self._consume(total)
+        return np.concatenate(out) if out else np.zeros(0, np.int32)
+
+    def _resolve(self, need: int) -> None:
+        while self._available() < need:
+            d = self.documents.read() if len(self._docs) == self._resolved else self._docs[self._resolved]
+            if len(self._docs) == self._resolved:
+                self._docs.append(d)
+            d.length = self.documents.length(d)
+            self._resolved_tokens += d.length
+            self._resolved += 1
