@@ -78,6 +78,9 @@ class DataConfig:
     """Run validation every this many steps (0: never)."""
     val_steps: int = 10
     """Batches per validation run."""
+    prefetch: int = 1
+    """Training batches prepared ahead in a background thread while the step runs (0: prepared in
+    the step, synchronously). Resume is exact either way."""
 
 
 @dataclass

@@ -176,6 +176,10 @@ class Trainer:
             config, self.plan, self.meshes, config.data.dataset, "train", config.training.gradient_accumulation_steps,
             _data_exchange(),
         )
+        if config.data.prefetch:
+            from plait.trainer.data.prefetch import PrefetchingLoader
+
+            self.loader = PrefetchingLoader(self.loader, config.data.prefetch)
         self._validation_exchange = None  # made at the first validation (every rank validates then)
         self.aux_loss, self.after_step = _moe_hooks(self.pm.inner, self.plan.model_args, self.meshes)
         self.loss_context = self._loss_context_factory()
@@ -393,6 +397,8 @@ class Trainer:
                         metrics.log_scalars(self.step, {"val_loss": self.validate_loss()})
                         metrics.exclude(time.perf_counter() - t_val)  # not training throughput
             self.checkpointer.close()
+            if hasattr(self.loader, "close"):  # the prefetch thread ends after its last exchange
+                self.loader.close()
         finally:
             if not dist.is_initialized():
                 # After an error, write what was recorded (alone: other ranks may not reach a collective).

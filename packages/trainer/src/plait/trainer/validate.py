@@ -131,6 +131,8 @@ def _check_data(config: Config) -> None:
     from plait.trainer.data.sources import check_readable, resolve_source
 
     d = config.data
+    if d.prefetch < 0:
+        raise ConfigError(f"data.prefetch = {d.prefetch}: must be >= 0 (0 prepares batches in the step).")
     sources = [(d.dataset, d.dataset_path or None, "train")]
     if d.val_interval:
         sources.append((d.val_dataset, (d.dataset_path or None) if d.val_dataset == d.dataset else None, "validation"))
