@@ -1,5 +1,6 @@
-"""Sharded HF weights on 4 gloo ranks (one spawn): a ~200 MB Llama loaded a layer at a time into
-FSDP 4 gives the 1-rank logits and takes well under the full load's peak host memory per rank;
+"""Sharded HF weights on 4 gloo ranks (one spawn): a 216 MB (fp32) Llama saved as bf16, as released
+checkpoints are, loaded a layer at a time into FSDP 4 gives the 1-rank logits and takes well under
+the full load's host memory per rank;
 exported from all 4 ranks it is an index + shards that transformers loads with the same logits."""
 
 import json
@@ -53,7 +54,12 @@ def _sharded_model(world):
 
 
 def _rank(rank, world, hf_dir, out_dir, tokens):
+    import ctypes
     import gc
+
+    # Tensors over 64 KiB get their own mapping, returned to the OS when freed, so RSS follows the
+    # live memory of each phase (glibc would otherwise keep freed heap for the next phase).
+    ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -66,8 +72,10 @@ def _rank(rank, world, hf_dir, out_dir, tokens):
         logits = model(tokens)
     hf_sharded.export_hf_sharded(model, out_dir, "llama3", "debugmodel", torch.float32, _args())
 
-    def full_load():  # the previous path: every rank reads and converts the whole model
+    def full_load():  # the previous path (trainer before issue 14): every rank converts the whole model
         full = hf_export.read_hf_state(hf_dir, "llama3", "debugmodel", _args())
+        dtypes = {name: t.dtype for name, t in model.state_dict().items()}
+        full = {name: t.to(dtypes[name]) for name, t in full.items()}
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=True))
 
     gc.collect()
@@ -85,8 +93,11 @@ def test_sharded_import_and_export_on_4_ranks(tmp_path):
     torch.manual_seed(0)
     reference = Transformer(_args())
     reference.init_weights()
+    with torch.no_grad():  # bf16 weights, as released checkpoints are; the fp32 model holds them exactly
+        for p in reference.parameters():
+            p.copy_(p.to(torch.bfloat16))
     hf_dir, out_dir = tmp_path / "hf", tmp_path / "export"
-    save_safetensors(to_hf(reference.state_dict(), _args()), hf_dir, max_shard_size="40MB")
+    save_safetensors(to_hf(reference.state_dict(), _args()), hf_dir, max_shard_size="20MB", dtype=torch.bfloat16)
     (hf_dir / "config.json").write_text(json.dumps(hf_config(_args())))
     nbytes = sum(t.numel() * 4 for t in reference.state_dict().values())
     assert 150e6 < nbytes < 400e6  # a few hundred MB
@@ -106,7 +117,7 @@ def test_sharded_import_and_export_on_4_ranks(tmp_path):
     print(f"peak RSS per rank while loading {nbytes / 2**20:.0f} MiB on {WORLD} ranks: layer-wise sharded "
           f"{sharded:.0f} MiB (+{sharded_added:.0f} by the load), full load {full:.0f} MiB (+{full_added:.0f}); "
           f"ratio {sharded / full:.2f}x peak, {sharded_added / full_added:.2f}x added")
-    assert sharded < full and sharded_added < 0.3 * full_added
+    assert sharded < 0.65 * full and sharded_added < 0.2 * full_added
     index = json.loads((out_dir / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) == WORLD  # every rank wrote a shard
     hf = transformers.AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
