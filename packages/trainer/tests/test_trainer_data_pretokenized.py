@@ -80,3 +80,21 @@ def test_errors(tok, corpus, tmp_path):
     (bad / "meta.json").write_text(json.dumps({**meta, "num_tokens": meta["num_tokens"] + 10}))
     with pytest.raises(DataError, match="do not match meta.json"):
         build_dataloader("tokens", str(bad), tok, SEQ, 2, 1, 0, 1, 0)
+
+
+def test_validation_checks_the_folder_before_the_model(corpus, tmp_path):
+    from plait.trainer.config import ConfigError, build_config
+    from plait.trainer.validate import validate
+
+    _, folder = corpus
+    assert validate(build_config(None, [("data.dataset", "tokens"), ("data.dataset_path", folder)]), 1)
+    meta = json.loads(open(f"{folder}/meta.json").read())
+    bad = tmp_path / "other_tokenizer"
+    bad.mkdir()
+    for name in ("tokens.bin", "offsets.npy"):
+        (bad / name).write_bytes(open(f"{folder}/{name}", "rb").read())
+    (bad / "meta.json").write_text(json.dumps({**meta, "bos_id": 5}))
+    with pytest.raises(ConfigError, match="data.dataset = 'tokens': .*not this run's tokenizer"):
+        validate(build_config(None, [("data.dataset", "tokens"), ("data.dataset_path", str(bad))]), 1)
+    with pytest.raises(ConfigError, match="not a pre-tokenised folder"):
+        validate(build_config(None, [("data.dataset", "tokens"), ("data.dataset_path", str(tmp_path))]), 1)

@@ -168,6 +168,20 @@ def _check_checkpoint(config: Config, world_size: int) -> None:
         raise ConfigError(f"checkpoint.initial_load_path = {c.initial_load_path!r}: no such folder.")
 
 
+def _check_token_folder(config: Config, tokenizer) -> None:
+    """A pre-tokenised folder was written with this run's tokenizer (its meta.json says)."""
+    from plait.trainer.data.sources import TOKENS
+
+    if config.data.dataset != TOKENS:
+        return
+    from plait.trainer.data.token_files import TokenFileDocuments
+
+    try:
+        TokenFileDocuments(config.data.dataset_path, tokenizer, config.job.seed, shuffle=False)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"data.dataset = 'tokens': {e}") from None
+
+
 def _check_hf_weights(config: Config, model_args) -> None:
     """A Hugging Face folder to start from is the configured model and flavor (config.json only)."""
     c = config.checkpoint
@@ -295,6 +309,7 @@ def validate(config: Config, world_size: int | None = None) -> RunPlan:
         raise ConfigError(f"model.tokenizer_path: tokenizer file not found: {config.model.tokenizer_path}") from None
     except (ValueError, OSError) as e:
         raise ConfigError(f"model.tokenizer_path = {config.model.tokenizer_path!r}: {e}") from None
+    _check_token_folder(config, tokenizer)
     if tokenizer.n_words > model_args.vocab_size:
         raise ConfigError(
             f"the tokenizer has {tokenizer.n_words} tokens but {config.model.name} {config.model.flavor} has "
