@@ -85,3 +85,37 @@ def test_resume_under_other_degrees(tok, corpus):
             return steps(ld, 3)
 
         assert torch.equal(torch.cat(on_threads(degree, resumed), dim=1), expected), degree
+
+
+def test_streaming_split_by_node(tok, tmp_path):
+    # One file is one shard, so split_dataset_by_node gives rank r every R-th example: the global
+    # order is the unsplit stream's, across epochs too (60 documents, R divides it).
+    path = tmp_path / "stream.jsonl"
+    path.write_text("".join(json.dumps({"text": f"Streamed {i}. " + "Simple is better than complex. " * (1 + i % 6)})
+                            + "\n" for i in range(60)))
+
+    def stream(rank, degree, ex=None):
+        return build_dataloader("json", str(path), tok, SEQ, GLOBAL // degree, 1, rank, degree, 0,
+                                streaming=True, exchange=ex)
+
+    solo = stream(0, 1)
+    reference = steps(solo, 14)  # past the end of the 60 documents
+    assert solo.state_dict()["epoch"] >= 1
+    for degree in (2, 3 if GLOBAL % 3 == 0 else 4):
+        def run(rank, ex):
+            ld = stream(rank, degree, ex)
+            first = steps(ld, 6)
+            state = json.loads(json.dumps(ld.state_dict()))
+            rest = steps(ld, 8)
+            again = stream(rank, degree, ex)  # a resumed run on the same number of ranks
+            again.load_state_dict(state)
+            return first, rest, steps(again, 8), ld.documents.documents_read, state
+
+        runs = on_threads(degree, run)
+        assert torch.equal(torch.cat([torch.cat([a, b]) for a, b, _, _, _ in runs], dim=1), reference), degree
+        assert torch.equal(torch.cat([c for _, _, c, _, _ in runs], dim=1), reference[6:]), degree
+        reads = [n for _, _, _, n, _ in runs]
+        assert max(reads) <= solo.documents.documents_read // degree + 3, reads  # each reads its part
+        state = runs[0][4]
+        with pytest.raises(ValueError, match="same number of ranks"):
+            on_threads(1, lambda r, ex: stream(0, 1, ex).load_state_dict(state))

@@ -100,7 +100,16 @@ class StreamDocuments:
     """Documents of an IterableDataset, in order, epoch after epoch; resumable through its
     own state_dict (or by skipping when it has none)."""
 
-    def __init__(self, ds, text_field: str, tokenizer: Tokenizer, name: str = "the dataset"):
+    def __init__(self, ds, text_field: str, tokenizer: Tokenizer, name: str = "the dataset",
+                 split: tuple[int, int] | None = None):
+        if split is not None:
+            # Rank r of R reads only its part: whole shards when R divides the shard count, else
+            # every R-th example (then the global order is the unsplit one).
+            from datasets.distributed import split_dataset_by_node
+
+            ds = split_dataset_by_node(ds, rank=split[0], world_size=split[1])
+        self.split = split
+        self.documents_read = 0  # examples this rank pulled from the stream (tests, benchmarks)
         self.ds, self.text_field, self.tokenizer, self.name = ds, text_field, tokenizer, name
         self._iter = None
         self._epoch, self._doc, self._resume_state = 0, 0, None
@@ -133,6 +142,7 @@ class StreamDocuments:
                                f"keys: {sorted(example)}")
             d = Document(self._epoch, self._doc, hf_state=state, text=example[self.text_field])
             self._doc += 1
+            self.documents_read += 1
             return d
 
     def tokens(self, d: Document) -> tuple[np.ndarray, bool]:

@@ -90,6 +90,9 @@ class PackedDataLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """Position in the stream (the same on every dp rank); plain ints and dicts."""
+        if self._stream.split:  # streaming split by node: every rank's stream position
+            return {"sequence": self.sequence, "offset": self._stream.offset, "seed": self.seed,
+                    "seq_len": self.seq_len, "split_by_node": self._stream.split_state()}
         epoch, doc, offset, hf_state = self._stream.position()
         state = {"sequence": self.sequence, "epoch": epoch, "doc": doc, "offset": offset,
                  "seed": self.seed, "seq_len": self.seq_len}
@@ -111,6 +114,14 @@ class PackedDataLoader:
                 raise ValueError(f"loader state was saved with job.seed {state['seed']}, this run has "
                                  f"{self.seed}: the document order would differ; resume with "
                                  f"--job.seed {state['seed']}")
+        if self._stream.split or "split_by_node" in state:
+            if not (self._stream.split and "split_by_node" in state):
+                raise ValueError("the loader state and this run differ in splitting the stream by node "
+                                 "(streaming on several ranks): resume on the same number of ranks")
+            self.sequence = int(state["sequence"])
+            split = state["split_by_node"]
+            self._stream.seek_split(int(split["phase"]), split["ranks"], int(state["offset"]))
+            return
         self.sequence = int(state["sequence"])
         self._stream.seek(int(state["epoch"]), int(state["doc"]), int(state["offset"]), state.get("hf_state"))
 
@@ -138,7 +149,9 @@ def build_dataloader(dataset: str, dataset_path: str | None, tokenizer: Tokenize
                                 dp_rank, dp_degree, seed, description=f"{dataset_path}:{split}")
     ds = load_documents(dataset, dataset_path, split=split, streaming=streaming)
     if streaming:
-        documents = StreamDocuments(ds, text_field, tokenizer, name=name)
+        # On several ranks each reads (downloads) only its part of the stream.
+        split = (exchange.rank, exchange.size) if exchange is not None and exchange.size > 1 else None
+        documents = StreamDocuments(ds, text_field, tokenizer, name=name, split=split)
     else:
         cache_key = (split, tokenizer.model_path, tokenizer.n_words) if dataset == "builtin" else None
         documents = MapDocuments(ds, text_field, tokenizer, seed, shuffle=split == "train",

@@ -23,6 +23,8 @@ from .sources import DataError
 class SharedTokenStream:
     def __init__(self, documents, exchange):
         self.documents, self.exchange = documents, exchange
+        # Streaming split by node: rank r reads only its documents (its split_dataset_by_node stream).
+        self.split = getattr(documents, "split", None) is not None
         self.encoded_documents = 0  # documents this rank tokenised (for tests and benchmarks)
         self.encoded_tokens = 0
         self._tokens_seen = self._docs_seen = 0  # global, for sizing the next round
@@ -36,6 +38,7 @@ class SharedTokenStream:
         self._first = 0  # number of _docs[0] since the seek: its owner is _first % size
         self._resolved_tokens = 0  # sum of the resolved documents' lengths
         self.offset = offset
+        self._seek_states = [[epoch, doc, hf_state]] * self.exchange.size  # split by node, before reading
 
     def position(self) -> tuple[int, int, int, dict | None]:
         """(epoch, doc, offset, hf_state) of the next token."""
@@ -69,7 +72,31 @@ class SharedTokenStream:
                 out.append(received[src][cursor[src] : cursor[src] + n])
                 cursor[src] += n
         self._consume(total)
+        if self.split and self._resolved < ex.size:
+            # Keep a resolved document of every rank ahead, so the state (each rank's stream
+            # position) is known everywhere without a collective of its own.
+            self._round(ex.size - self._resolved)
         return np.concatenate(out) if out else np.zeros(0, np.int32)
+
+    def split_state(self) -> dict:
+        """Split by node: where each rank's stream stands, and whose document is current."""
+        ex = self.exchange
+        if self._resolved < ex.size:  # only before the first batch: nothing read yet
+            return {"phase": self._first % ex.size, "ranks": self._seek_states}
+        ranks = [None] * ex.size
+        for i in range(ex.size):
+            d = self._docs[i]
+            ranks[self._owner(i)] = [d.epoch, d.doc, d.hf_state]
+        return {"phase": self._first % ex.size, "ranks": ranks}
+
+    def seek_split(self, phase: int, ranks: list, offset: int) -> None:
+        ex = self.exchange
+        if len(ranks) != ex.size:
+            raise ValueError(f"a streaming dataset split by node resumes on the same number of ranks: "
+                             f"the state has {len(ranks)}, this run {ex.size}")
+        epoch, doc, hf_state = ranks[ex.rank]
+        self.seek(epoch, doc, offset, hf_state)
+        self._first, self._seek_states = phase, ranks
 
     def _owner(self, i: int) -> int:
         return (self._first + i) % self.exchange.size
@@ -79,38 +106,47 @@ class SharedTokenStream:
 
     def _resolve(self, need: int) -> None:
         """Read and tokenise (each rank its share) until the known lengths cover `need` tokens."""
-        ex = self.exchange
         while (available := self._available()) < need:
             # Size the round from what all ranks know, so they agree on it without talking.
             mean = self._tokens_seen / self._docs_seen if self._docs_seen else 512
-            target = self._resolved + max(1, math.ceil((need - available) / mean * 1.1))
-            while len(self._docs) < target:
-                self._docs.append(self.documents.read())
-            mine = [i for i in range(self._resolved, target) if self._owner(i) == ex.rank]
-            error = None
-            try:
-                for i in mine:
-                    d = self._docs[i]
-                    d.tokens, encoded = self.documents.tokens(d)
-                    self.encoded_documents += encoded
-                    self.encoded_tokens += len(d.tokens) if encoded else 0
-            except DataError as e:  # a bad row: every rank must stop with it, none left waiting
-                error = str(e)
-            reply = ([] if error else [len(self._docs[i].tokens) for i in mine], error)
-            replies = ex.all_gather(reply) if ex.size > 1 else [reply]
-            errors = [e for _, e in replies if e]
-            if errors:
-                raise DataError(errors[0])
-            lengths = [n for n, _ in replies]
-            taken = [0] * ex.size
-            for i in range(self._resolved, target):
-                owner = self._owner(i)
-                self._docs[i].length = lengths[owner][taken[owner]]
-                taken[owner] += 1
-                self._tokens_seen += self._docs[i].length
-                self._resolved_tokens += self._docs[i].length
-            self._docs_seen += target - self._resolved
-            self._resolved = target
+            self._round(max(1, math.ceil((need - available) / mean * 1.1)))
+
+    def _round(self, count: int) -> None:
+        """Resolve the next `count` documents: each rank tokenises its own, all learn the lengths."""
+        ex, split = self.exchange, self.split
+        target = self._resolved + count
+        while len(self._docs) < target:
+            # Split by node, a rank reads only its own documents; the others' are placeholders
+            # filled from their owners' replies.
+            owned = not split or self._owner(len(self._docs)) == ex.rank
+            self._docs.append(self.documents.read() if owned else Document(-1, -1))
+        mine = [i for i in range(self._resolved, target) if self._owner(i) == ex.rank]
+        error = None
+        try:
+            for i in mine:
+                d = self._docs[i]
+                d.tokens, encoded = self.documents.tokens(d)
+                self.encoded_documents += encoded
+                self.encoded_tokens += len(d.tokens) if encoded else 0
+        except DataError as e:  # a bad row: every rank must stop with it, none left waiting
+            error = str(e)
+        where = [(self._docs[i].epoch, self._docs[i].doc, self._docs[i].hf_state) for i in mine] if split else None
+        reply = ([] if error else [len(self._docs[i].tokens) for i in mine], error, where)
+        replies = ex.all_gather(reply) if ex.size > 1 else [reply]
+        errors = [e for _, e, _ in replies if e]
+        if errors:
+            raise DataError(errors[0])
+        taken = [0] * ex.size
+        for i in range(self._resolved, target):
+            owner, d = self._owner(i), self._docs[i]
+            d.length = replies[owner][0][taken[owner]]
+            if split:  # every rank learns where each rank's stream stands
+                d.epoch, d.doc, d.hf_state = replies[owner][2][taken[owner]]
+            taken[owner] += 1
+            self._tokens_seen += d.length
+            self._resolved_tokens += d.length
+        self._docs_seen += count
+        self._resolved = target
 
     def _spans(self, total: int) -> list[tuple[int, Document, int, int]]:
         """(index, document, start, end) of the resolved documents overlapping [0, total),
