@@ -13,7 +13,6 @@ loader.py, read from git. Medians over the steps after a warm-up step.
 import argparse
 import gzip
 import importlib.util
-import json
 import statistics
 import subprocess
 import sys

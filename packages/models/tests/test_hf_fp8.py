@@ -17,9 +17,9 @@ FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 def quantize(w_OI: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     """What the release did: per block, scale_inv = amax / 448 and W_fp8 = W / scale_inv."""
-    O, I = w_OI.shape
-    scale_inv = torch.empty(-(-O // rows), -(-I // cols))
-    q = torch.empty(O, I, dtype=torch.float8_e4m3fn)
+    n_out, n_in = w_OI.shape
+    scale_inv = torch.empty(-(-n_out // rows), -(-n_in // cols))
+    q = torch.empty(n_out, n_in, dtype=torch.float8_e4m3fn)
     for b in range(scale_inv.shape[0]):
         for c in range(scale_inv.shape[1]):
             block = w_OI[b * rows : (b + 1) * rows, c * cols : (c + 1) * cols]

@@ -61,8 +61,11 @@ def test_ranks_encode_their_share_and_see_the_one_rank_batches(tok, corpus):
     solo = make(tok, corpus, 0, 1)
     reference = steps(solo, STEPS)  # [STEPS, GLOBAL, SEQ]
     for degree, accum in [(1, 1), (2, 1), (4, 1), (2, 2)]:
-        runs = on_threads(degree, lambda r, ex: (lambda ld: (steps(ld, STEPS), ld.encoded_documents,
-                                                             ld.state_dict()))(make(tok, corpus, r, degree, ex, accum)))
+        def run(rank, ex, degree=degree, accum=accum):
+            ld = make(tok, corpus, rank, degree, ex, accum)
+            return steps(ld, STEPS), ld.encoded_documents, ld.state_dict()
+
+        runs = on_threads(degree, run)
         assert torch.equal(torch.cat([x for x, _, _ in runs], dim=1), reference), (degree, accum)
         counts = [n for _, n, _ in runs]
         # The same documents are resolved whatever the degree; each rank tokenised its 1/R of them.
@@ -79,7 +82,7 @@ def test_resume_under_other_degrees(tok, corpus):
     (state, a), (_, b) = on_threads(2, first_half)
     expected = torch.cat([a, b], dim=1)
     for degree in (1, 4):
-        def resumed(rank, ex):
+        def resumed(rank, ex, degree=degree):
             ld = make(tok, corpus, rank, degree, ex)
             ld.load_state_dict(state)
             return steps(ld, 3)
@@ -102,7 +105,7 @@ def test_streaming_split_by_node(tok, tmp_path):
     reference = steps(solo, 14)  # past the end of the 60 documents
     assert solo.state_dict()["epoch"] >= 1
     for degree in (2, 3 if GLOBAL % 3 == 0 else 4):
-        def run(rank, ex):
+        def run(rank, ex, degree=degree):
             ld = stream(rank, degree, ex)
             first = steps(ld, 6)
             state = json.loads(json.dumps(ld.state_dict()))
@@ -118,4 +121,4 @@ def test_streaming_split_by_node(tok, tmp_path):
         assert max(reads) <= solo.documents.documents_read // degree + 3, reads  # each reads its part
         state = runs[0][4]
         with pytest.raises(ValueError, match="same number of ranks"):
-            on_threads(1, lambda r, ex: stream(0, 1, ex).load_state_dict(state))
+            on_threads(1, lambda r, ex, state=state: stream(0, 1, ex).load_state_dict(state))

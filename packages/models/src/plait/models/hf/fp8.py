@@ -27,12 +27,12 @@ def dequantize_block_fp8(weight_OI: torch.Tensor, scale_inv_BC: torch.Tensor, bl
                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`weight_OI * scale_inv` with one scale per `block` (rows, cols), in `dtype`."""
     rows, cols = block
-    O, I = weight_OI.shape
-    expected = (-(-O // rows), -(-I // cols))
+    n_out, n_in = weight_OI.shape
+    expected = (-(-n_out // rows), -(-n_in // cols))
     if tuple(scale_inv_BC.shape) != expected:
-        raise ValueError(f"scale_inv of shape {tuple(scale_inv_BC.shape)} does not tile a [{O}, {I}] weight in "
+        raise ValueError(f"scale_inv of shape {tuple(scale_inv_BC.shape)} does not tile a [{n_out}, {n_in}] weight in "
                          f"{rows} x {cols} blocks (expected {expected}); check quantization_config.weight_block_size")
-    scale_OI = scale_inv_BC.float().repeat_interleave(rows, 0)[:O].repeat_interleave(cols, 1)[:, :I]
+    scale_OI = scale_inv_BC.float().repeat_interleave(rows, 0)[:n_out].repeat_interleave(cols, 1)[:, :n_in]
     return (weight_OI.float() * scale_OI).to(dtype)
 
 

@@ -120,8 +120,9 @@ def load_hf_sharded(model: torch.nn.Module, path: str | Path, model_name: str, f
 def export_hf_sharded(model: torch.nn.Module, output: str | Path, model_name: str, flavor: str, dtype: torch.dtype,
                       model_args=None) -> Path:
     """Write `model` as a Hugging Face folder from all ranks (collective: every rank calls it)."""
-    from plait.models.hf.io import INDEX_FILE
     from safetensors.torch import save_file
+
+    from plait.models.hf.io import INDEX_FILE
 
     spec, args = hf_export._spec_and_args(model_name, flavor, model_args)
     rank = dist.get_rank() if dist.is_initialized() else 0
