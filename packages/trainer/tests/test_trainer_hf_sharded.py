@@ -123,3 +123,42 @@ def test_sharded_import_and_export_on_4_ranks(tmp_path):
     hf = transformers.AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         torch.testing.assert_close(hf(tokens).logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_fp8_release_format_through_the_trainer_import(tmp_path):
+    """One process, no process group: DeepSeek-V3 weights as released (FP8 + weight_scale_inv,
+    sharded files) load into the model dequantised; renamed-only tensors come through slices."""
+    import dataclasses
+
+    from plait.models.deepseek_v3 import FLAVORS, Transformer
+    from plait.models.hf import deepseek_v3 as adapter
+    from plait.models.hf.io import save_safetensors
+    from plait.trainer.checkpoint.hf_sharded import load_hf_sharded
+
+    args = dataclasses.replace(FLAVORS["debugmodel"], score_func="sigmoid")
+    torch.manual_seed(0)
+    source = Transformer(args)
+    source.init_weights()
+    written, expected = {}, {}
+    for name, w in adapter.to_hf(source.state_dict(), args).items():
+        if name.endswith("proj.weight"):  # quantised as released: one scale per 128 x 128 block
+            rows, cols = -(-w.shape[0] // 128), -(-w.shape[1] // 128)
+            padded = torch.zeros(rows * 128, cols * 128)
+            padded[: w.shape[0], : w.shape[1]] = w
+            amax = padded.view(rows, 128, cols, 128).abs().amax(dim=(1, 3))
+            scale = amax.clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max  # [rows, cols]
+            scale_full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[: w.shape[0], : w.shape[1]]
+            q = (w / scale_full).to(torch.float8_e4m3fn)
+            written[name], written[name.replace(".weight", ".weight_scale_inv")] = q, scale
+            expected[name] = q.float() * scale_full
+        else:
+            written[name] = expected[name] = w
+    save_safetensors(written, tmp_path, max_shard_size="1MB")
+    config = adapter.hf_config(args)
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = Transformer(args)
+    load_hf_sharded(model, tmp_path, "deepseek_v3", "debugmodel", args)
+    want = adapter.from_hf(expected, args)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, want[name].to(tensor.dtype)), name

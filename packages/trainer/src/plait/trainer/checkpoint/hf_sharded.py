@@ -1,12 +1,12 @@
 """Hugging Face weights into and out of a sharded (FSDP / HSDP / TP) model, a layer at a time.
 
-Import: the HF tensors of one transformer layer (or the embeddings / norm / head) are read from
-their safetensors files (`safe_open`: only those tensors), dequantised if block-FP8, converted by
-the model's adapter (`from_hf` works on any subset that holds whole layers), and each rank copies
-its own slice of every converted tensor into its local shard
-(`compute_local_shape_and_global_offset`: the slice a DTensor placement gives the rank). Host
-memory per rank is its shard plus one layer, not the whole model (a 70B model: ~1 GB per layer
-instead of 140 GB), and no collective is needed.
+Import: a tensor the adapter only renames (probed by handing `from_hf` a stand-in object) is read
+as this rank's slice alone (`safe_open(...).get_slice`, the slice a DTensor placement gives the
+rank: `compute_local_shape_and_global_offset`). The others (rows permuted for RoPE, experts
+stacked, FP8 with scales) are read whole, one transformer layer at a time, dequantised, converted
+by `from_hf` (it works on any subset holding whole layers) and sliced. Host memory per rank is its
+shard plus at most one layer, not the whole model (a 70B model: ~1 GB per layer instead of
+140 GB), and no collective is needed.
 
 Export: layers are dealt out to the ranks; for each layer every rank joins the all-gathers of its
 parameters (`full_tensor()`), the owner keeps the full tensors, converts them with `to_hf` and
@@ -69,14 +69,52 @@ def _read(names: list[str], files: dict[str, Path]) -> dict[str, torch.Tensor]:
     return out
 
 
-def local_slice(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The part of `full` that `target` (a DTensor's local shard, or a plain tensor) holds."""
+class _Probe:
+    """Stands in for an HF tensor: an adapter that only renames it hands it back unchanged."""
+
+
+def _renamed_to(adapter, args, hf_name: str, files: dict[str, Path]) -> list[str] | None:
+    """The plait names `hf_name` becomes by a rename alone, or None when the adapter transforms it
+    (or needs other tensors with it, or it is FP8-scaled)."""
+    if hf_name.endswith("_scale_inv") or hf_name + "_scale_inv" in files:
+        return None
+    probe = _Probe()
+    try:
+        out = adapter.from_hf({hf_name: probe}, args)
+    except Exception:  # the adapter touched it as a tensor, or wants its companions
+        return None
+    targets = [name for name, value in out.items() if value is probe]
+    return targets if targets and len(targets) == len(out) else None
+
+
+def _local_index(shape: torch.Size, target: torch.Tensor) -> tuple[slice, ...]:
     if not isinstance(target, DTensor):
-        return full
+        return tuple(slice(0, n) for n in shape)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    shape, offset = compute_local_shape_and_global_offset(full.shape, target.device_mesh, target.placements)
-    return full[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+    local, offset = compute_local_shape_and_global_offset(shape, target.device_mesh, target.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, local))
+
+
+def _copy_slice(local: dict, name: str, hf_name: str, file: Path, path: Path) -> None:
+    """Read only this rank's part of `hf_name` (safetensors slices) into parameter `name`."""
+    from safetensors import safe_open
+
+    target = local.get(name)
+    with safe_open(str(file), framework="pt") as f:
+        piece = f.get_slice(hf_name)
+        shape = torch.Size(piece.get_shape())
+        if target is None or shape != target.shape:
+            raise store.CheckpointError(
+                f"checkpoint.initial_load_path = {str(path)!r}: {hf_name} (shape {tuple(shape)}) does not fit "
+                f"{name} ({'not in the model' if target is None else tuple(target.shape)})")
+        shard = target.to_local() if isinstance(target, DTensor) else target
+        shard.copy_(piece[_local_index(shape, target)])
+
+
+def local_slice(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The part of `full` that `target` (a DTensor's local shard, or a plain tensor) holds."""
+    return full[_local_index(full.shape, target)]
 
 
 @torch.no_grad()
@@ -95,8 +133,18 @@ def load_hf_sharded(model: torch.nn.Module, path: str | Path, model_name: str, f
     for layer in sorted(groups):
         if layer >= getattr(args, "n_layers", float("inf")):
             continue  # e.g. DeepSeek's multi-token-prediction layers: not part of the model
+        # Tensors the adapter only renames are read as this rank's slices alone; the others
+        # (permuted rows, stacked experts, FP8) whole, one layer at a time.
+        renamed = {n: _renamed_to(spec.hf_adapter, args, n, files) for n in groups[layer]}
+        for hf_name, targets in renamed.items():
+            for name in targets or ():
+                _copy_slice(local, name, hf_name, files[hf_name], path)
+                filled.add(name)
+        rest = [n for n, targets in renamed.items() if not targets]
+        if not rest:
+            continue
         try:
-            converted = spec.hf_adapter.from_hf(dequantize_if_fp8(_read(groups[layer], files), config), args)
+            converted = spec.hf_adapter.from_hf(dequantize_if_fp8(_read(rest, files), config), args)
         except (KeyError, ValueError) as e:
             raise store.CheckpointError(f"checkpoint.initial_load_path = {str(path)!r}: {str(e).splitlines()[0]}") from None
         for name, full in converted.items():
