@@ -44,7 +44,9 @@ class ModelConfig:
     flavor: str = "debugmodel"
     """Size within the family: llama3 debugmodel, 1B, 3B, 8B, 70B, 405B; deepseek_v3 debugmodel, 16B, 236B, 671B."""
     tokenizer_path: str = ""
-    """Tokenizer file (tiktoken BPE); empty means the small BPE shipped with plait-trainer."""
+    """Tokenizer file, chosen by what it is: a Hugging Face `tokenizer.json` (or a folder with one; BOS/EOS
+    from the `tokenizer_config.json` beside it) through `tokenizers`, else a tiktoken BPE `tokenizer.model`;
+    empty means the small BPE shipped with plait-trainer."""
     init: Literal["auto", "full", "sharded"] = "auto"
     """Weight init. full: every rank materialises the whole model and runs init_weights from job.seed
     before any sharding, so the initial weights are identical on every layout (parity from step 1).
@@ -76,6 +78,9 @@ class DataConfig:
     """Run validation every this many steps (0: never)."""
     val_steps: int = 10
     """Batches per validation run."""
+    prefetch: int = 1
+    """Training batches prepared ahead in a background thread while the step runs (0: prepared in
+    the step, synchronously). Resume is exact either way."""
 
 
 @dataclass

@@ -19,6 +19,7 @@ from plait.mesh import build_meshes, clip_grad_norm_, destroy_distributed, grad_
 
 from .checkpoint import CheckpointManager
 from .config import Config, ConfigError, to_toml
+from .data.sources import DataError
 from .lr_scheduler import build_lr_scheduler
 from .metrics import MetricsLogger, peak_tflops
 from .moe_step import MoEStep
@@ -73,7 +74,18 @@ class _StopSignal:
         signal.signal(signal.SIGTERM, self._previous)
 
 
-def _build_loader(config: Config, plan: RunPlan, meshes, dataset: str, split: str, accumulation: int):
+def _data_exchange():
+    """The ranks that tokenise the data between them: every rank of the job, over a gloo group of
+    the data's own (tokens are host data; a prefetch thread must not interleave with training's
+    collectives). Collective: every rank calls it at the same point."""
+    from plait.trainer.data.exchange import DistributedExchange, SoloExchange
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return SoloExchange()
+    return DistributedExchange(dist.new_group(backend="gloo"))
+
+
+def _build_loader(config: Config, plan: RunPlan, meshes, dataset: str, split: str, accumulation: int, exchange):
     from plait.trainer.data import build_dataloader
 
     t = config.training
@@ -91,6 +103,7 @@ def _build_loader(config: Config, plan: RunPlan, meshes, dataset: str, split: st
             split=split,
             streaming=config.data.streaming,
             text_field=config.data.text_field,
+            exchange=exchange,
         )
     except (FileNotFoundError, ValueError, KeyError) as e:
         # Every rank fails the same way here, so no rank is left waiting in a collective.
@@ -129,8 +142,14 @@ class Trainer:
         self.optimizer = build_optimizer(self.pm.inner, config.optimizer, self.device)
         self.scheduler = build_lr_scheduler(self.optimizer, config.training.steps, config.lr_scheduler)
         self.loader = _build_loader(
-            config, self.plan, self.meshes, config.data.dataset, "train", config.training.gradient_accumulation_steps
+            config, self.plan, self.meshes, config.data.dataset, "train", config.training.gradient_accumulation_steps,
+            _data_exchange(),
         )
+        if config.data.prefetch:
+            from plait.trainer.data.prefetch import PrefetchingLoader
+
+            self.loader = PrefetchingLoader(self.loader, config.data.prefetch)
+        self._validation_exchange = None  # made at the first validation (every rank validates then)
         self.moe = MoEStep.for_model(self.pm.inner, self.plan.model_args, self.meshes, self.pm.dispatchers)
         self.loss_context = self._loss_context_factory()
         # Under training.compile the loss is compiled too (the fp32 upcast fuses into the
@@ -219,7 +238,10 @@ class Trainer:
 
     def _validation_loss(self) -> float:
         c = self.config
-        loader = _build_loader(c, self.plan, self.meshes, c.data.val_dataset, "validation", 1)
+        if self._validation_exchange is None:
+            self._validation_exchange = _data_exchange()
+        loader = _build_loader(c, self.plan, self.meshes, c.data.val_dataset, "validation", 1,
+                               self._validation_exchange)
         # [loss sum, valid tokens] over every batch and every dp x cp rank: the token-weighted mean.
         totals = torch.zeros(2, device=self.device)
         autocast = self.pm.autocast or contextlib.nullcontext()
@@ -316,6 +338,8 @@ class Trainer:
                         raise ConfigError(
                             f"data.dataset = {c.data.dataset!r} ran out of batches at step {self.step}."
                         ) from None
+                    except DataError as e:  # a bad row: every rank raises the same (see data/stream.py)
+                        raise ConfigError(f"data.dataset = {c.data.dataset!r} at step {self.step}: {e}") from None
                     data_s = time.perf_counter() - t0
                     lr = self.scheduler.get_last_lr()[0]
                     loss, norm = self.train_step(micro_batches)
@@ -342,6 +366,8 @@ class Trainer:
                         metrics.log_scalars(self.step, {"val_loss": self.validate_loss()})
                         metrics.exclude(time.perf_counter() - t_val)  # not training throughput
             self.checkpointer.close()
+            if hasattr(self.loader, "close"):  # the prefetch thread ends after its last exchange
+                self.loader.close()
         finally:
             if not dist.is_initialized():
                 # After an error, write what was recorded (alone: other ranks may not reach a collective).

@@ -128,15 +128,18 @@ def _check_data_parallel(config: Config, dims: ParallelDims) -> None:
 
 
 def _check_data(config: Config) -> None:
-    from plait.trainer.data.sources import resolve_source
+    from plait.trainer.data.sources import check_readable, resolve_source
 
     d = config.data
+    if d.prefetch < 0:
+        raise ConfigError(f"data.prefetch = {d.prefetch}: must be >= 0 (0 prepares batches in the step).")
     sources = [(d.dataset, d.dataset_path or None, "train")]
     if d.val_interval:
         sources.append((d.val_dataset, (d.dataset_path or None) if d.val_dataset == d.dataset else None, "validation"))
     for dataset, path, split in sources:
         try:
             resolve_source(dataset, path, split)
+            check_readable(dataset, path, split, d.text_field)
         except (FileNotFoundError, ValueError) as e:
             key = "data.dataset" if split == "train" else "data.val_dataset"
             raise ConfigError(f"{key} = {dataset!r}: {e}") from None
@@ -163,6 +166,34 @@ def _check_checkpoint(config: Config, world_size: int) -> None:
         raise ConfigError("checkpoint.initial_load_hf = true needs checkpoint.initial_load_path (a Hugging Face folder).")
     if c.initial_load_path and not os.path.isdir(c.initial_load_path):
         raise ConfigError(f"checkpoint.initial_load_path = {c.initial_load_path!r}: no such folder.")
+
+
+def _check_token_folder(config: Config, tokenizer) -> None:
+    """A pre-tokenised folder was written with this run's tokenizer (its meta.json says)."""
+    from plait.trainer.data.sources import TOKENS
+
+    if config.data.dataset != TOKENS:
+        return
+    from plait.trainer.data.token_files import TokenFileDocuments
+
+    try:
+        TokenFileDocuments(config.data.dataset_path, tokenizer, config.job.seed, shuffle=False)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"data.dataset = 'tokens': {e}") from None
+
+
+def _check_hf_weights(config: Config, model_args) -> None:
+    """A Hugging Face folder to start from is the configured model and flavor (config.json only)."""
+    c = config.checkpoint
+    if not (c.initial_load_hf and c.initial_load_path):
+        return
+    from plait.trainer.checkpoint.hf_export import check_hf_folder
+    from plait.trainer.checkpoint.store import CheckpointError
+
+    try:
+        check_hf_folder(c.initial_load_path, config.model.name, config.model.flavor, model_args)
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _model_spec(config: Config):
@@ -268,6 +299,7 @@ def validate(config: Config, world_size: int | None = None) -> RunPlan:
         )
     _check_data_parallel(config, dims)
     _check_data(config)
+    _check_hf_weights(config, model_args)
 
     from plait.trainer.data import build_tokenizer
 
@@ -277,6 +309,7 @@ def validate(config: Config, world_size: int | None = None) -> RunPlan:
         raise ConfigError(f"model.tokenizer_path: tokenizer file not found: {config.model.tokenizer_path}") from None
     except (ValueError, OSError) as e:
         raise ConfigError(f"model.tokenizer_path = {config.model.tokenizer_path!r}: {e}") from None
+    _check_token_folder(config, tokenizer)
     if tokenizer.n_words > model_args.vocab_size:
         raise ConfigError(
             f"the tokenizer has {tokenizer.n_words} tokens but {config.model.name} {config.model.flavor} has "

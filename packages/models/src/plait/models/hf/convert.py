@@ -7,7 +7,8 @@ The plait side is one plain state-dict file: `*.pt` / `*.pth` (torch.save of a d
 or of {"model": that dict}) or `*.safetensors`. A directory input is searched for `model.pt`,
 `model.safetensors` or a sharded `model.safetensors.index.json`; a directory output gets
 `model.pt`. Distributed (DCP) checkpoints are the trainer's business: consolidate them first.
-The HF side is a directory with `config.json` and (sharded) safetensors.
+The HF side is a directory with `config.json` and (sharded) safetensors; block-FP8 weights
+(DeepSeek-V3's release, `weight_scale_inv`) are dequantised on import.
 """
 
 import argparse
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from plait.models.hf.fp8 import dequantize_if_fp8
 from plait.models.hf.io import (
     INDEX_FILE,
     SINGLE_FILE,
@@ -112,7 +114,7 @@ def from_hf(model: str, flavor: str | None, input: str, output: str, dtype: torc
         # max_seq_len only sizes the RoPE tables; everything else must be the flavor's.
         if dataclasses.replace(args, max_seq_len=expected.max_seq_len, depth_init=expected.depth_init) != expected:
             raise SystemExit(f"{input}/config.json is not flavor {flavor!r}:\n  {args}\n  != {expected}")
-    state_dict = spec.hf_adapter.from_hf(load_safetensors(input), args)
+    state_dict = spec.hf_adapter.from_hf(dequantize_if_fp8(load_safetensors(input), config), args)
     check_matches_model(state_dict, spec.model_cls, args)
     if dtype is not None:
         state_dict = {name: t.to(dtype) for name, t in state_dict.items()}

@@ -79,27 +79,63 @@ def export(
     return output
 
 
-def read_hf_state(path: str | Path, model: str, flavor: str, model_args=None) -> dict[str, torch.Tensor]:
-    """A Hugging Face folder's weights as a plait state dict for `model` `flavor` (full tensors)."""
-    from plait.models.hf.convert import check_matches_model
-    from plait.models.hf.io import load_safetensors
+def _matching_model(config: dict) -> str | None:
+    """The plait model whose adapter writes `config`'s architecture."""
+    from plait.models import get_model_spec, list_models
 
+    architecture = (config.get("architectures") or [None])[0]
+    for name in list_models():
+        if getattr(get_model_spec(name).hf_adapter, "HF_ARCHITECTURE", None) == architecture:
+            return name
+    return None
+
+
+def check_hf_folder(path: str | Path, model: str, flavor: str, model_args=None):
+    """Read only `config.json` and check it is `model` `flavor`; return (spec, args, config).
+    Validation calls this before the model is built, so a wrong model.name or flavor is one line."""
     path = Path(path)
     spec, args = _spec_and_args(model, flavor, model_args)
+    where = f"checkpoint.initial_load_path = {str(path)!r}"
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise store.CheckpointError(
-            f"checkpoint.initial_load_path = {str(path)!r} has no config.json: not a Hugging Face folder"
-        )
-    hf_args = spec.hf_adapter.args_from_hf_config(json.loads(config_file.read_text()))
-    # max_seq_len only sizes the RoPE tables; every other size must be the flavor's.
-    if dataclasses.replace(hf_args, max_seq_len=args.max_seq_len, depth_init=args.depth_init) != args:
-        raise store.CheckpointError(
-            f"checkpoint.initial_load_path = {str(path)!r} is not {model} {flavor}: {hf_args} != {args}; "
-            "set model.flavor to match it"
-        )
+        raise store.CheckpointError(f"{where} has no config.json: not a Hugging Face folder")
     try:
-        state_dict = spec.hf_adapter.from_hf(load_safetensors(path), args)
+        config = json.loads(config_file.read_text())
+    except ValueError as e:
+        raise store.CheckpointError(f"{where}: config.json is not valid JSON ({e})") from None
+    architecture = (config.get("architectures") or [config.get("model_type")])[0]
+    if architecture != getattr(spec.hf_adapter, "HF_ARCHITECTURE", architecture):
+        other = _matching_model(config)
+        fix = (f"set model.name = {other} (and model.flavor to its size)" if other
+               else "plait has no model for it")
+        raise store.CheckpointError(f"{where} holds a {architecture} model, not {model}: {fix}")
+    try:
+        hf_args = spec.hf_adapter.args_from_hf_config(config)
+    except (KeyError, ValueError) as e:
+        raise store.CheckpointError(f"{where}: its config.json cannot be read as {model} ({e})") from None
+    # max_seq_len only sizes the RoPE tables; every other size must be the flavor's.
+    def same(a):
+        return dataclasses.replace(hf_args, max_seq_len=a.max_seq_len, depth_init=a.depth_init) == a
+
+    if not same(args):
+        match = next((name for name, a in spec.flavors.items() if same(a)), None)
+        fix = f"set model.flavor = {match}" if match else "set model.flavor (or the model.* sizes) to match it"
+        differ = [f.name for f in dataclasses.fields(args)
+                  if f.name not in ("max_seq_len", "depth_init") and getattr(hf_args, f.name) != getattr(args, f.name)]
+        raise store.CheckpointError(f"{where} is not {model} {flavor} (differs in {', '.join(differ[:6])}): {fix}")
+    return spec, args, config
+
+
+def read_hf_state(path: str | Path, model: str, flavor: str, model_args=None) -> dict[str, torch.Tensor]:
+    """A Hugging Face folder's weights as a plait state dict for `model` `flavor` (full tensors).
+    Block-FP8 weights (DeepSeek-V3's release) are dequantised to float32."""
+    from plait.models.hf.convert import check_matches_model
+    from plait.models.hf.fp8 import dequantize_if_fp8
+    from plait.models.hf.io import load_safetensors
+
+    spec, args, config = check_hf_folder(path, model, flavor, model_args)
+    try:
+        state_dict = spec.hf_adapter.from_hf(dequantize_if_fp8(load_safetensors(path), config), args)
         check_matches_model(state_dict, spec.model_cls, args)
     except (FileNotFoundError, KeyError, ValueError) as e:
         raise store.CheckpointError(f"checkpoint.initial_load_path = {str(path)!r}: {str(e).splitlines()[0]}") from None

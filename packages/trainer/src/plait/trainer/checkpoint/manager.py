@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from ..config import Config
-from . import hf_export, state, store
+from . import hf_export, hf_sharded, state, store
 from .store import CheckpointError
 
 # Test hooks (the checkpoint tests' only way to die at an exact point): SIGKILL every rank right
@@ -189,14 +189,10 @@ class CheckpointManager:
     def _load_initial(self) -> None:
         path = Path(self.c.initial_load_path)
         if self.c.initial_load_hf:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-            full = hf_export.read_hf_state(
-                path, self.config.model.name, self.config.model.flavor, getattr(self.model, "args", None)
+            # Each rank reads a layer at a time and keeps its own slices (hf_sharded.py).
+            hf_sharded.load_hf_sharded(
+                self.model, path, self.config.model.name, self.config.model.flavor, getattr(self.model, "args", None)
             )
-            dtypes = {name: t.dtype for name, t in state.model_state(self.model).items()}
-            full = {name: t.to(dtypes[name]) for name, t in full.items()}
-            set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True, strict=True))
             self._log(f"initial weights from Hugging Face {path}")
             return
 
@@ -306,17 +302,13 @@ class CheckpointManager:
             self._publish(step, tmp, meta, f"written in the background, waited {waited:.2f} s")
 
     def _export_hf(self, step: int) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.rank == 0:
-            out = self.folder / f"hf-{store.step_name(step)}"
-            hf_export.export(
-                full, self.config.model.name, self.config.model.flavor, out, hf_export.DTYPES[self.c.export_dtype],
-                getattr(self.model, "args", None),  # the flavor with this run's [model] overrides
-            )
-            self._log(f"exported {out} ({self.c.export_dtype}, Hugging Face safetensors)")
-        _barrier()
+        # Every rank writes its share of the layers (hf_sharded.py); rank 0 the index and config.
+        out = hf_sharded.export_hf_sharded(
+            self.model, self.folder / f"hf-{store.step_name(step)}", self.config.model.name,
+            self.config.model.flavor, hf_export.DTYPES[self.c.export_dtype],
+            getattr(self.model, "args", None),  # the flavor with this run's [model] overrides
+        )
+        self._log(f"exported {out} ({self.c.export_dtype}, Hugging Face safetensors)")
 
     def close(self) -> None:
         """At the end of a run: wait for the save in flight and publish it."""

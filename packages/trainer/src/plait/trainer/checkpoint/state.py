@@ -56,7 +56,12 @@ def load_train_state(text: str, scheduler, loader) -> int:
     """Restore the schedule and the data position; return the step the checkpoint was taken at."""
     state = json.loads(text)
     scheduler.load_state_dict(state["lr_scheduler"])
-    loader.load_state_dict(state["dataloader"])
+    try:
+        loader.load_state_dict(state["dataloader"])
+    except ValueError as e:  # another seed or dataset than the run was started with
+        from plait.trainer.config import ConfigError
+
+        raise ConfigError(f"resuming at step {state['step']}: {e}") from None
     return int(state["step"])
 
 

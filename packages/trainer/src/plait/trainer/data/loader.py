@@ -11,179 +11,38 @@ dp_degree. Dp rank r takes the contiguous rows [r*L*A, (r+1)*L*A) (L = local_bat
 A = grad_accum) and micro-batch m the rows [m*L, (m+1)*L) of that slice. So the global batch,
 and the loss averaged over it, is the same whatever the dp degree and accumulation split.
 
-Every rank reads the whole global stream and keeps its slice, so every rank holds the same
-position. The position (epoch, document, token offset in it) is the loader's state: restoring
-it, under any dp degree or batch layout, continues the same stream.
+The ranks of an `exchange` (see `exchange.py`) tokenise the stream's documents between them and
+each receives only its own rows (`stream.py`); every rank knows the whole layout, so every rank
+holds the same position. The position (epoch, document, token offset in it) is the loader's
+state: restoring it, under any dp degree or batch layout, continues the same stream.
 """
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
-import numpy as np
 import torch
 
-from .sources import load_documents
+from .documents import MapDocuments, StreamDocuments
+from .exchange import SoloExchange
+from .sources import TOKENS, load_documents, resolve_source
+from .stream import IndexedTokenStream, SharedTokenStream
 from .tokenizer import Tokenizer
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]
 
-# Token ids of the built-in corpus, per (split, tokenizer file, vocab size): a list with one
-# entry per document, filled as documents are first read. The corpus is small (~0.7 M tokens),
-# so after one epoch no step tokenises anything.
-_BUILTIN_TOKENS: dict[tuple[str, str, int], tuple[list[str], list[np.ndarray | None]]] = {}
-
-
-class _MapDocuments:
-    """Random-access documents, visited in a seeded per-epoch permutation (or in order)."""
-
-    def __init__(self, ds, text_field: str, tokenizer: Tokenizer, seed: int, shuffle: bool,
-                 cache_key: tuple[str, str, int] | None = None):
-        if text_field not in ds.column_names:
-            raise KeyError(f"text_field {text_field!r} is not a column of the dataset; "
-                           f"columns: {ds.column_names}")
-        if len(ds) == 0:
-            raise ValueError("the dataset has no documents")
-        self.ds, self.text_field, self.tokenizer = ds, text_field, tokenizer
-        self.seed, self.shuffle = seed, shuffle
-        self.num_documents = len(ds)
-        self._texts: list[str] | None = None
-        self._tokens: list[np.ndarray | None] | None = None
-        if cache_key is not None:
-            if cache_key not in _BUILTIN_TOKENS:
-                _BUILTIN_TOKENS[cache_key] = (list(ds[text_field]), [None] * len(ds))
-            self._texts, self._tokens = _BUILTIN_TOKENS[cache_key]
-        self._order_epoch, self._order = -1, np.arange(0)
-
-    def order(self, epoch: int) -> np.ndarray:
-        if epoch != self._order_epoch:
-            if self.shuffle:
-                self._order = np.random.default_rng([self.seed, epoch]).permutation(self.num_documents)
-            else:
-                self._order = np.arange(self.num_documents)
-            self._order_epoch = epoch
-        return self._order
-
-    def tokens(self, epoch: int, doc: int) -> np.ndarray:
-        index = int(self.order(epoch)[doc])
-        if self._tokens is not None:
-            cached = self._tokens[index]
-            if cached is None:
-                cached = self._tokens[index] = _encode(self.tokenizer, self._texts[index])
-            return cached
-        return _encode(self.tokenizer, self.ds[index][self.text_field])
-
-
-class _StreamDocuments:
-    """Documents of an IterableDataset, in order, epoch after epoch; resumable through its
-    own state_dict (or by skipping when it has none)."""
-
-    def __init__(self, ds, text_field: str, tokenizer: Tokenizer):
-        self.ds, self.text_field, self.tokenizer = ds, text_field, tokenizer
-        self._iter = None
-        self._epoch, self._doc, self._resume_state = 0, 0, None
-        self._loaded_state = False  # whether ds holds a starting state from load_state_dict
-
-    def seek(self, epoch: int, doc: int, hf_state: dict | None) -> None:
-        self._iter, self._epoch, self._doc, self._resume_state = None, epoch, doc, hf_state
-
-    def read(self) -> tuple[np.ndarray, int, int, dict | None]:
-        """(tokens, epoch, doc index, the dataset's state before this doc) of the next doc."""
-        while True:
-            if self._iter is None:
-                state = self._resume_state  # the state before this doc, as saved
-                self._iter = self._start_epoch()
-            elif self._doc > 0 and hasattr(self.ds, "state_dict"):
-                state = self.ds.state_dict()
-            else:
-                state = None
-            try:
-                example = next(self._iter)
-            except StopIteration:
-                if self._doc == 0:
-                    raise ValueError("the streaming dataset has no documents") from None
-                self._iter, self._epoch, self._doc = None, self._epoch + 1, 0
-                continue
-            if self.text_field not in example:
-                raise KeyError(f"text_field {self.text_field!r} not in the dataset's examples; "
-                               f"keys: {sorted(example)}")
-            doc, self._doc = self._doc, self._doc + 1
-            return _encode(self.tokenizer, example[self.text_field]), self._epoch, doc, state
-
-    def _start_epoch(self):
-        if hasattr(self.ds, "set_epoch"):
-            self.ds.set_epoch(self._epoch)
-        state, self._resume_state = self._resume_state, None
-        if state is not None:
-            self.ds.load_state_dict(state)  # applies to this epoch only (datasets checks it)
-            self._loaded_state = True
-            return iter(self.ds)
-        if self._loaded_state:  # forget an earlier restore's starting point
-            self.ds.load_state_dict(None)
-            self._loaded_state = False
-        # No saved dataset state: skip to the document (reads through the skipped ones).
-        return itertools.islice(iter(self.ds), self._doc, None)
-
-
-def _encode(tokenizer: Tokenizer, text: str | None) -> np.ndarray:
-    return np.asarray(tokenizer.encode(text or "", bos=True, eos=True), dtype=np.int32)
-
-
-class _TokenStream:
-    """Concatenated document tokens with a resumable read position."""
-
-    def __init__(self, documents: _MapDocuments | _StreamDocuments):
-        self.documents = documents
-        self.streaming = isinstance(documents, _StreamDocuments)
-        self._cur: np.ndarray | None = None
-        # Position of the current document (or of the one to load next when _cur is None).
-        self.epoch, self.doc, self.offset, self.hf_state = 0, 0, 0, None
-        if self.streaming:
-            documents.seek(0, 0, None)
-
-    def seek(self, epoch: int, doc: int, offset: int, hf_state: dict | None = None) -> None:
-        self._cur = None
-        self.epoch, self.doc, self.offset, self.hf_state = epoch, doc, offset, hf_state
-        if self.streaming:
-            self.documents.seek(epoch, doc, hf_state)
-
-    def _load(self) -> None:
-        """Make _cur the document at (epoch, doc), entering it at self.offset."""
-        if self.streaming:
-            self._cur, self.epoch, self.doc, self.hf_state = self.documents.read()
-        else:
-            self._cur = self.documents.tokens(self.epoch, self.doc)
-
-    def _advance(self) -> None:
-        self._cur, self.offset = None, 0
-        if not self.streaming:
-            self.doc += 1
-            if self.doc == self.documents.num_documents:
-                self.epoch, self.doc = self.epoch + 1, 0
-
-    def take(self, n: int) -> np.ndarray:
-        pieces, need = [], n
-        while need:
-            if self._cur is None:
-                self._load()
-            if self.offset >= len(self._cur):
-                self._advance()
-                continue
-            piece = self._cur[self.offset : self.offset + need]
-            pieces.append(piece)
-            self.offset += len(piece)
-            need -= len(piece)
-        return np.concatenate(pieces)
-
 
 class PackedDataLoader:
     """Iterate to get, per optimizer step, this rank's `grad_accum` micro-batches
-    `(inputs_BS, labels_BS)` (int64, CPU). Infinite; `state_dict()` is the stream position."""
+    `(inputs_BS, labels_BS)` (int64, CPU). Infinite; `state_dict()` is the stream position.
+
+    `exchange` holds the ranks that share the tokenising (every rank of the job, whatever its
+    dp rank); without one this rank tokenises everything up to its rows alone.
+    """
 
     def __init__(self, documents, tokenizer: Tokenizer, seq_len: int, local_batch_size: int,
                  gradient_accumulation_steps: int, dp_rank: int, dp_degree: int, seed: int,
-                 description: str = ""):
+                 description: str = "", exchange=None):
         for name, value in (("seq_len", seq_len), ("local_batch_size", local_batch_size),
                             ("gradient_accumulation_steps", gradient_accumulation_steps),
                             ("dp_degree", dp_degree)):
@@ -198,46 +57,73 @@ class PackedDataLoader:
         self.description = description
         self.global_batch_size = local_batch_size * gradient_accumulation_steps * dp_degree
         self.sequence = 0  # index in the stream of the next global batch's first sequence
-        self._stream = _TokenStream(documents)
+        self.documents = documents
+        if hasattr(documents, "length"):  # pre-tokenised: lengths known, each rank reads its rows
+            self._stream = IndexedTokenStream(documents)
+        else:
+            self._stream = SharedTokenStream(documents, exchange or SoloExchange())
+
+    @property
+    def encoded_documents(self) -> int:
+        """Documents this rank has tokenised so far."""
+        return self._stream.encoded_documents
+
+    @property
+    def encoded_tokens(self) -> int:
+        return self._stream.encoded_tokens
 
     def __iter__(self) -> PackedDataLoader:
         return self
 
     def __next__(self) -> list[MicroBatch]:
         window = self.seq_len + 1
-        tokens = self._stream.take(self.global_batch_size * window).reshape(self.global_batch_size, window)
+        rows = self.local_batch_size * self.gradient_accumulation_steps
+        first = self.dp_rank * rows * window
+        tokens = self._stream.take(self.global_batch_size * window, first, first + rows * window)
         self.sequence += self.global_batch_size
-        rows_per_rank = self.local_batch_size * self.gradient_accumulation_steps
-        mine = torch.from_numpy(tokens[self.dp_rank * rows_per_rank : (self.dp_rank + 1) * rows_per_rank]).long()
+        mine = torch.from_numpy(tokens.reshape(rows, window)).long()
         micro_batches = []
         for m in range(self.gradient_accumulation_steps):
-            rows = mine[m * self.local_batch_size : (m + 1) * self.local_batch_size]
-            micro_batches.append((rows[:, :-1].contiguous(), rows[:, 1:].contiguous()))
+            part = mine[m * self.local_batch_size : (m + 1) * self.local_batch_size]
+            micro_batches.append((part[:, :-1].contiguous(), part[:, 1:].contiguous()))
         return micro_batches
 
     def state_dict(self) -> dict[str, Any]:
         """Position in the stream (the same on every dp rank); plain ints and dicts."""
-        s = self._stream
-        state = {"sequence": self.sequence, "epoch": s.epoch, "doc": s.doc, "offset": s.offset,
+        if self._stream.split:  # streaming split by node: every rank's stream position
+            return {"sequence": self.sequence, "offset": self._stream.offset, "seed": self.seed,
+                    "seq_len": self.seq_len, "split_by_node": self._stream.split_state()}
+        epoch, doc, offset, hf_state = self._stream.position()
+        state = {"sequence": self.sequence, "epoch": epoch, "doc": doc, "offset": offset,
                  "seed": self.seed, "seq_len": self.seq_len}
-        if s.streaming:
-            state["hf_state"] = s.hf_state
+        if isinstance(self.documents, StreamDocuments):
+            state["hf_state"] = hf_state
         else:
-            state["num_documents"] = s.documents.num_documents
+            state["num_documents"] = self.documents.num_documents
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the saved stream; works under another dp degree or batch layout."""
-        s = self._stream
-        if not s.streaming:
-            if state.get("num_documents", s.documents.num_documents) != s.documents.num_documents:
+        if isinstance(self.documents, MapDocuments):
+            n = self.documents.num_documents
+            if state.get("num_documents", n) != n:
                 raise ValueError(f"loader state is for a dataset of {state['num_documents']} documents, "
-                                 f"this one has {s.documents.num_documents}")
+                                 f"{self.documents.name} has {n}: resume with the dataset the run started "
+                                 "with, or start a new run (another job.dump_folder)")
             if state["seed"] != self.seed:
-                raise ValueError(f"loader state was saved with seed {state['seed']}, this loader has "
-                                 f"seed {self.seed}: the document order would differ")
+                raise ValueError(f"loader state was saved with job.seed {state['seed']}, this run has "
+                                 f"{self.seed}: the document order would differ; resume with "
+                                 f"--job.seed {state['seed']}")
+        if self._stream.split or "split_by_node" in state:
+            if not (self._stream.split and "split_by_node" in state):
+                raise ValueError("the loader state and this run differ in splitting the stream by node "
+                                 "(streaming on several ranks): resume on the same number of ranks")
+            self.sequence = int(state["sequence"])
+            split = state["split_by_node"]
+            self._stream.seek_split(int(split["phase"]), split["ranks"], int(state["offset"]))
+            return
         self.sequence = int(state["sequence"])
-        s.seek(int(state["epoch"]), int(state["doc"]), int(state["offset"]), state.get("hf_state"))
+        self._stream.seek(int(state["epoch"]), int(state["doc"]), int(state["offset"]), state.get("hf_state"))
 
     def __repr__(self) -> str:
         return (f"PackedDataLoader({self.description}, seq_len={self.seq_len}, "
@@ -247,17 +133,28 @@ class PackedDataLoader:
 def build_dataloader(dataset: str, dataset_path: str | None, tokenizer: Tokenizer, seq_len: int,
                      local_batch_size: int, gradient_accumulation_steps: int, dp_rank: int,
                      dp_degree: int, seed: int, split: str = "train", streaming: bool = False,
-                     text_field: str = "text") -> PackedDataLoader:
+                     text_field: str = "text", exchange=None) -> PackedDataLoader:
     """A packed loader over `dataset` (see `plait.trainer.data.sources` for the names).
 
     Map-style datasets are shuffled per epoch from `seed` for the train split and read in order
-    for other splits; streaming datasets are read in order.
+    for other splits; streaming datasets are read in order. `exchange`: see PackedDataLoader.
     """
+    name = f"{dataset_path or dataset} ({split})"
+    if dataset == TOKENS:
+        from .token_files import TokenFileDocuments
+
+        resolve_source(dataset, dataset_path, split)
+        documents = TokenFileDocuments(dataset_path, tokenizer, seed, shuffle=split == "train", split=split)
+        return PackedDataLoader(documents, tokenizer, seq_len, local_batch_size, gradient_accumulation_steps,
+                                dp_rank, dp_degree, seed, description=f"{dataset_path}:{split}")
     ds = load_documents(dataset, dataset_path, split=split, streaming=streaming)
     if streaming:
-        documents = _StreamDocuments(ds, text_field, tokenizer)
+        # On several ranks each reads (downloads) only its part of the stream.
+        split = (exchange.rank, exchange.size) if exchange is not None and exchange.size > 1 else None
+        documents = StreamDocuments(ds, text_field, tokenizer, name=name, split=split)
     else:
         cache_key = (split, tokenizer.model_path, tokenizer.n_words) if dataset == "builtin" else None
-        documents = _MapDocuments(ds, text_field, tokenizer, seed, shuffle=split == "train", cache_key=cache_key)
+        documents = MapDocuments(ds, text_field, tokenizer, seed, shuffle=split == "train",
+                                 cache_key=cache_key, name=name)
     return PackedDataLoader(documents, tokenizer, seq_len, local_batch_size, gradient_accumulation_steps,
-                            dp_rank, dp_degree, seed, description=f"{dataset}:{split}")
+                            dp_rank, dp_degree, seed, description=f"{dataset}:{split}", exchange=exchange)

@@ -9,6 +9,7 @@
   * "c4" | "fineweb" | "fineweb-edu"
                                  hub aliases (allenai/c4 "en", HuggingFaceFW/fineweb(-edu)
                                  "sample-10BT"); `dataset_path` may point at a local copy;
+  * "tokens"                     a folder written by `pretokenize.py` at `dataset_path` (memory-mapped);
   * "owner/name" or "owner/name:config"
                                  any hub dataset; `dataset_path` may point at a local copy.
 Hub datasets are meant to be read with `streaming=True`.
@@ -23,6 +24,7 @@ from pathlib import Path
 import datasets
 
 LOCAL_BUILDERS = ("json", "parquet", "text", "csv", "arrow")
+TOKENS = "tokens"  # a pre-tokenised folder (pretokenize.py), read without `datasets`
 _EXTENSION_BUILDERS = {
     ".json": "json", ".jsonl": "json", ".ndjson": "json",
     ".parquet": "parquet",
@@ -66,6 +68,12 @@ def resolve_source(dataset: str, dataset_path: str | None, split: str = "train")
     """(builder or hub repo, `datasets.load_dataset` keyword arguments) for a source, checking
     everything that can be checked without reading it: validation calls this before the model is
     built, so a missing file or a malformed name fails at once."""
+    if dataset == TOKENS:
+        if not dataset_path:
+            raise ValueError("dataset 'tokens' reads a pre-tokenised folder: set dataset_path to it")
+        if not os.path.isdir(dataset_path):
+            raise FileNotFoundError(f"dataset_path not found: {dataset_path!r} (a pre-tokenised folder)")
+        return TOKENS, {"folder": dataset_path}
     if dataset == "builtin":
         if dataset_path:
             raise ValueError("dataset 'builtin' is shipped with plait; it takes no dataset_path")
@@ -100,7 +108,62 @@ def resolve_source(dataset: str, dataset_path: str | None, split: str = "train")
     return dataset_path or repo, {"name": config or None}
 
 
+class DataError(ValueError):
+    """Data that cannot be trained on; the message names the file (or row) and the fix."""
+
+
+def read_error(e: BaseException, name: str) -> DataError:
+    """One line for a failure to read `name`, from the root cause `datasets` wraps."""
+    causes = [e]
+    while causes[-1].__cause__ or causes[-1].__context__:
+        causes.append(causes[-1].__cause__ or causes[-1].__context__)
+    kinds = {type(c).__name__ for c in causes}
+    if "UnicodeDecodeError" in kinds:
+        u = next(c for c in causes if isinstance(c, UnicodeDecodeError))
+        return DataError(f"{name} is not UTF-8 text (byte {u.object[u.start:u.start + 1]!r} at offset {u.start} "
+                         "of a block): re-encode it as UTF-8, e.g. iconv -f latin1 -t utf-8")
+    if "ArrowInvalid" in kinds and any("JSON" in str(c) for c in causes):
+        first = next(str(c) for c in causes if "JSON" in str(c)).splitlines()[0]
+        return DataError(f"{name} is not valid JSON lines ({first}): fix that line, or read the file "
+                         "as plain text with data.dataset = 'text'")
+    if kinds & {"StopIteration", "SchemaInferenceError"}:
+        return DataError(f"{name} has no documents: give a file with at least one row")
+    root = causes[-1]
+    return DataError(f"{name} could not be read: {type(root).__name__}: {str(root).strip().splitlines()[0] if str(root).strip() else ''}")
+
+
 def load_documents(dataset: str, dataset_path: str | None, split: str = "train", streaming: bool = False):
     """A `datasets.Dataset` (map-style) or `datasets.IterableDataset` (streaming) of documents."""
     path, kwargs = resolve_source(dataset, dataset_path, split)
-    return datasets.load_dataset(path, split=split, streaming=streaming, **kwargs)
+    try:
+        return datasets.load_dataset(path, split=split, streaming=streaming, **kwargs)
+    except (FileNotFoundError, KeyError):
+        raise
+    except Exception as e:
+        raise read_error(e, dataset_path or dataset) from None
+
+
+def is_local(dataset: str) -> bool:
+    return dataset in LOCAL_BUILDERS or dataset in ("", "auto", "builtin") or os.path.exists(dataset)
+
+
+def check_readable(dataset: str, dataset_path: str | None, split: str, text_field: str) -> None:
+    """Read the first row of a local source (lazily, as a stream: cheap whatever its size), so an
+    empty, undecodable or malformed file, or a missing text column, fails before the model is
+    built. Hub sources are checked when they are opened."""
+    if dataset == TOKENS:
+        from .token_files import read_meta
+
+        read_meta(dataset_path)
+        return
+    if not is_local(dataset):
+        return
+    name = dataset_path or dataset
+    try:
+        first = next(iter(load_documents(dataset, dataset_path, split, streaming=True)))
+    except DataError:
+        raise
+    except Exception as e:
+        raise read_error(e, name) from None
+    if text_field not in first:
+        raise DataError(f"{name} has no column {text_field!r} (columns: {sorted(first)}): set data.text_field")

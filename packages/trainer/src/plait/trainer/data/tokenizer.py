@@ -1,4 +1,5 @@
-"""Llama 3's tokenizer: tiktoken byte-level BPE from a `tokenizer.model` file plus 256 specials.
+"""Llama 3's tokenizer: tiktoken byte-level BPE from a `tokenizer.model` file plus 256 specials
+(`build_tokenizer` picks `hf_tokenizer.HFTokenizer` for a Hugging Face `tokenizer.json`).
 
 The file format is Llama 3's: one `base64(token bytes) rank` pair per line, ranks 0..N-1 with the
 256 single bytes among them so that any text encodes. The special tokens follow the BPE ranks
@@ -147,6 +148,17 @@ def _split_long_runs(s: str) -> Iterator[str]:
     yield s[start:]
 
 
-def build_tokenizer(path: str | None = None) -> Tokenizer:
-    """The shipped BPE when `path` is None or "", else a Llama 3 `tokenizer.model` at `path`."""
+def is_hf_tokenizer(path: str) -> bool:
+    """A Hugging Face `tokenizer.json` (or a folder holding one) rather than a tiktoken BPE file."""
+    p = Path(path)
+    return p.suffix == ".json" or p.is_dir()
+
+
+def build_tokenizer(path: str | None = None):
+    """The shipped BPE when `path` is None or "", a Hugging Face tokenizer for a `*.json` file or a
+    folder with `tokenizer.json` (`HFTokenizer`), else a Llama 3 tiktoken `tokenizer.model`."""
+    if path and is_hf_tokenizer(path):
+        from .hf_tokenizer import HFTokenizer
+
+        return HFTokenizer(path)
     return Tokenizer(path or shipped_tokenizer_path())

@@ -1,0 +1,238 @@
+"""Hugging Face weights into and out of a sharded (FSDP / HSDP / TP) model, a layer at a time.
+
+Import: a tensor the adapter only renames (probed by handing `from_hf` a stand-in object) is read
+as this rank's slice alone (`safe_open(...).get_slice`, the slice a DTensor placement gives the
+rank: `compute_local_shape_and_global_offset`). The others (rows permuted for RoPE, experts
+stacked, FP8 with scales) are read whole, one transformer layer at a time, dequantised, converted
+by `from_hf` (it works on any subset holding whole layers) and sliced. Host memory per rank is its
+shard plus at most one layer, not the whole model (a 70B model: ~1 GB per layer instead of
+140 GB), and no collective is needed.
+
+Export: layers are dealt out to the ranks; for each layer every rank joins the all-gathers of its
+parameters (`full_tensor()`), the owner keeps the full tensors, converts them with `to_hf` and
+writes them into its own `model-0000r-of-0000N.safetensors`; rank 0 writes
+`model.safetensors.index.json` (the layout transformers loads) and `config.json`, then publishes
+the folder by renaming it. A rank holds at most its share of the model plus one layer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor
+
+from . import hf_export, store
+
+_LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.")
+
+
+def _group(name: str) -> int:
+    """Layer index of a parameter (plait or HF name); -1 for the top-level ones."""
+    match = _LAYER.match(name)
+    return int(match.group(1)) if match else -1
+
+
+def _hf_files(path: Path) -> dict[str, Path]:
+    """HF tensor name -> the safetensors file holding it (index file, or every *.safetensors)."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return {name: path / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise store.CheckpointError(f"checkpoint.initial_load_path = {str(path)!r} has no *.safetensors files")
+    where = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            where.update(dict.fromkeys(f.keys(), file))
+    return where
+
+
+def _read(names: list[str], files: dict[str, Path]) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    out = {}
+    by_file: dict[Path, list[str]] = {}
+    for name in names:
+        by_file.setdefault(files[name], []).append(name)
+    for file, keys in by_file.items():
+        with safe_open(str(file), framework="pt") as f:
+            out.update({k: f.get_tensor(k) for k in keys})
+    return out
+
+
+class _Probe:
+    """Stands in for an HF tensor: an adapter that only renames it hands it back unchanged."""
+
+
+def _renamed_to(adapter, args, hf_name: str, files: dict[str, Path]) -> list[str] | None:
+    """The plait names `hf_name` becomes by a rename alone, or None when the adapter transforms it
+    (or needs other tensors with it, or it is FP8-scaled)."""
+    if hf_name.endswith("_scale_inv") or hf_name + "_scale_inv" in files:
+        return None
+    probe = _Probe()
+    try:
+        out = adapter.from_hf({hf_name: probe}, args)
+    except Exception:  # the adapter touched it as a tensor, or wants its companions
+        return None
+    targets = [name for name, value in out.items() if value is probe]
+    return targets if targets and len(targets) == len(out) else None
+
+
+def _local_index(shape: torch.Size, target: torch.Tensor) -> tuple[slice, ...]:
+    if not isinstance(target, DTensor):
+        return tuple(slice(0, n) for n in shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local, offset = compute_local_shape_and_global_offset(shape, target.device_mesh, target.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, local))
+
+
+def _copy_slice(local: dict, name: str, hf_name: str, file: Path, path: Path) -> None:
+    """Read only this rank's part of `hf_name` (safetensors slices) into parameter `name`."""
+    from safetensors import safe_open
+
+    target = local.get(name)
+    with safe_open(str(file), framework="pt") as f:
+        piece = f.get_slice(hf_name)
+        shape = torch.Size(piece.get_shape())
+        if target is None or shape != target.shape:
+            raise store.CheckpointError(
+                f"checkpoint.initial_load_path = {str(path)!r}: {hf_name} (shape {tuple(shape)}) does not fit "
+                f"{name} ({'not in the model' if target is None else tuple(target.shape)})")
+        shard = target.to_local() if isinstance(target, DTensor) else target
+        shard.copy_(piece[_local_index(shape, target)])
+
+
+def local_slice(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The part of `full` that `target` (a DTensor's local shard, or a plain tensor) holds."""
+    return full[_local_index(full.shape, target)]
+
+
+@torch.no_grad()
+def load_hf_sharded(model: torch.nn.Module, path: str | Path, model_name: str, flavor: str, model_args=None) -> None:
+    """Fill `model` (sharded or not, materialised) from the HF folder `path`, a layer at a time."""
+    from plait.models.hf.fp8 import dequantize_if_fp8
+
+    path = Path(path)
+    spec, args, config = hf_export.check_hf_folder(path, model_name, flavor, model_args)
+    local = get_model_state_dict(model)  # the live parameters and buffers (DTensor shards)
+    files = _hf_files(path)
+    groups: dict[int, list[str]] = {}
+    for name in files:
+        groups.setdefault(_group(name), []).append(name)
+    filled = set()
+    for layer in sorted(groups):
+        if layer >= getattr(args, "n_layers", float("inf")):
+            continue  # e.g. DeepSeek's multi-token-prediction layers: not part of the model
+        # Tensors the adapter only renames are read as this rank's slices alone; the others
+        # (permuted rows, stacked experts, FP8) whole, one layer at a time.
+        renamed = {n: _renamed_to(spec.hf_adapter, args, n, files) for n in groups[layer]}
+        for hf_name, targets in renamed.items():
+            for name in targets or ():
+                _copy_slice(local, name, hf_name, files[hf_name], path)
+                filled.add(name)
+        rest = [n for n, targets in renamed.items() if not targets]
+        if not rest:
+            continue
+        try:
+            converted = spec.hf_adapter.from_hf(dequantize_if_fp8(_read(rest, files), config), args)
+        except (KeyError, ValueError) as e:
+            raise store.CheckpointError(f"checkpoint.initial_load_path = {str(path)!r}: {str(e).splitlines()[0]}") from None
+        for name, full in converted.items():
+            target = local.get(name)
+            if target is None:
+                raise store.CheckpointError(f"checkpoint.initial_load_path = {str(path)!r}: {name} is not a "
+                                            f"parameter of {model_name} {flavor}")
+            if tuple(full.shape) != tuple(target.shape):
+                raise store.CheckpointError(f"checkpoint.initial_load_path = {str(path)!r}: {name} has shape "
+                                            f"{tuple(full.shape)}, the model {tuple(target.shape)}")
+            shard = target.to_local() if isinstance(target, DTensor) else target
+            shard.copy_(local_slice(full, target))
+            filled.add(name)
+        del converted
+    missing = sorted(set(local) - filled)
+    if missing:
+        raise store.CheckpointError(f"checkpoint.initial_load_path = {str(path)!r} lacks {len(missing)} tensors of "
+                                    f"{model_name} {flavor}, e.g. {missing[0]}")
+
+
+def export_hf_sharded(model: torch.nn.Module, output: str | Path, model_name: str, flavor: str, dtype: torch.dtype,
+                      model_args=None) -> Path:
+    """Write `model` as a Hugging Face folder from all ranks (collective: every rank calls it)."""
+    from safetensors.torch import save_file
+
+    from plait.models.hf.io import INDEX_FILE
+
+    spec, args = hf_export._spec_and_args(model_name, flavor, model_args)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    output = Path(output)
+    tmp = output.with_name(output.name + ".tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    local = get_model_state_dict(model)
+    groups: dict[int, list[str]] = {}
+    for name in local:
+        groups.setdefault(_group(name), []).append(name)
+    order = sorted(groups)
+    writers = min(world, len(order))
+    mine: dict[str, torch.Tensor] = {}
+    for i, layer in enumerate(order):
+        owner = i % writers
+        full = {}
+        for name in groups[layer]:  # every rank joins each all-gather, in the same order
+            t = local[name]
+            t = t.full_tensor() if isinstance(t, DTensor) else t
+            if rank == owner:
+                full[name] = t.detach().to("cpu", dtype)
+        if rank == owner:
+            hf = spec.hf_adapter.to_hf(full, args)
+            mine.update({k: v.contiguous() if v.is_contiguous() else v.contiguous().clone() for k, v in hf.items()})
+        del full
+    file = f"model-{rank + 1:05d}-of-{writers:05d}.safetensors"
+    _barrier()  # rank 0 has made the folder
+    if mine:
+        save_file(_unshared(mine), str(tmp / file), metadata={"format": "pt"})
+    listing = {name: (file, t.numel() * t.element_size()) for name, t in mine.items()}
+    listings = [listing]
+    if dist.is_initialized():
+        listings = [None] * world
+        dist.all_gather_object(listings, listing)
+    if rank == 0:
+        weight_map = {n: f for lst in listings for n, (f, _) in lst.items()}
+        total = sum(size for lst in listings for _, size in lst.values())
+        (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total},
+                                                  "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
+        config = spec.hf_adapter.hf_config(args)
+        config["torch_dtype"] = str(dtype).removeprefix("torch.")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if output.exists():
+            shutil.rmtree(output)
+        os.replace(tmp, output)
+    _barrier()
+    return output
+
+
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors sharing storage (a tied head): give repeats their own copy."""
+    seen, out = set(), {}
+    for name, t in tensors.items():
+        ptr = t.untyped_storage().data_ptr()
+        out[name] = t.clone() if ptr in seen else t
+        seen.add(ptr)
+    return out
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()

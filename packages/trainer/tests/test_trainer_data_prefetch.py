@@ -1,0 +1,75 @@
+"""Prefetch in a background thread: the same batches, taking one is ~free while the next is
+prepared, the state is the position after the batches handed out (exact resume), and threaded
+ranks sharing the tokenising stay in step through their exchanges."""
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+from plait.trainer.data import build_dataloader, build_tokenizer
+from plait.trainer.data.exchange import ThreadExchange
+from plait.trainer.data.prefetch import PrefetchingLoader
+
+SEQ = 64
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prefetch") / "train.jsonl"
+    docs = [f"Document {i}: " + "Although never is often better than right now. " * (3 + i % 17) for i in range(200)]
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return str(path)
+
+
+def make(corpus, rank=0, degree=1, exchange=None):
+    return build_dataloader("json", corpus, build_tokenizer(None), SEQ, 8 // degree, 1, rank, degree, 0,
+                            exchange=exchange)
+
+
+def test_same_batches_and_exact_resume(corpus):
+    plain = make(corpus)
+    expected = [next(plain)[0][0] for _ in range(8)]
+    ahead = PrefetchingLoader(make(corpus), ahead=2)
+    assert ahead.state_dict() == make(corpus).state_dict()  # before the first batch: the start
+    got = [next(ahead)[0][0] for _ in range(4)]
+    state = ahead.state_dict()  # after 4 batches, though the thread has prepared more
+    resumed = PrefetchingLoader(make(corpus))
+    resumed.load_state_dict(json.loads(json.dumps(state)))
+    got += [next(resumed)[0][0] for _ in range(4)]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    # load_state_dict on a running prefetcher stops its thread and restarts from the state.
+    ahead.load_state_dict(state)
+    assert torch.equal(next(ahead)[0][0], expected[4])
+    ahead.close()
+    resumed.close()
+
+
+def test_taking_a_prepared_batch_is_free(corpus):
+    ld = PrefetchingLoader(make(corpus))
+    next(ld)
+    time.sleep(0.5)  # "the step": the next batch is prepared meanwhile
+    t0 = time.perf_counter()
+    next(ld)
+    assert time.perf_counter() - t0 < 0.05
+    ld.close()
+
+
+def test_threaded_ranks_with_exchange_close_cleanly(corpus):
+    expected = [next(ld)[0][0] for ld in [make(corpus)] for _ in range(5)]
+    exchanges, out = ThreadExchange.group(2), [None, None]
+
+    def rank(r):
+        ld = PrefetchingLoader(make(corpus, r, 2, exchanges[r]), ahead=2)
+        out[r] = [next(ld)[0][0] for _ in range(5)]
+        ld.close()  # joins: the prefetched exchanges were asked for by both ranks
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    assert all(torch.equal(torch.cat([out[0][k], out[1][k]]), expected[k]) for k in range(5))
