@@ -15,6 +15,9 @@ compile, causal SDPA attention, AdamW, on the text of plait's built-in corpus. T
   torchtitan-ep2   torchtitan, 2 ranks FSDP 2 x EP 2 (its all-to-all token dispatcher)
   plait-ep2-cap1.25, plait-ep2-cap8
                    plait FSDP 2 x EP 2 in capacity mode (expert_capacity_factor 1.25 / 8)
+  torchtitan-1-passive (only with --runs)
+                   torchtitan, 1 rank, OMP_WAIT_POLICY=PASSIVE (plait-train's default; torchrun's
+                   1 thread per rank makes it moot at 2 ranks)
 
 Rounds alternate the order of the runs (a shared machine's drifting load hits all alike); the
 first `--warmup` steps of every run are excluded; the script prints each run's median global
@@ -70,7 +73,11 @@ RUNS = {
     "plait-ep2-cap8": ("plait", 2, 2, 8.0),
     "plait-1": ("plait", 1, 1, 0.0),
     "torchtitan-1": ("torchtitan", 1, 1, 0.0),
+    # Not in the default set: torchtitan 1 rank with idle OpenMP threads sleeping instead of
+    # spinning (OMP_WAIT_POLICY=PASSIVE, which plait-train sets by default before torch loads).
+    "torchtitan-1-passive": ("torchtitan", 1, 1, 0.0),
 }
+DEFAULT_RUNS = [name for name in RUNS if name != "torchtitan-1-passive"]
 
 
 def run_plait(args, workdir: Path, name: str) -> tuple[list[tuple[int, float]], list[dict]]:
@@ -142,6 +149,8 @@ def run_torchtitan(args, python: Path, workdir: Path, name: str) -> tuple[list[t
         "activation_checkpoint:none",
     ]
     env = dict(os.environ, PYTHONUNBUFFERED="1", PLAIT_BENCH_COUNT_TT_SYNCS="1", **env_ranks)
+    if name.endswith("-passive"):
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
     log = workdir / f"{name}.log"
     print(f"[bench] {name}: {' '.join(cmd)}", flush=True)
     with open(log, "w") as f:
@@ -176,7 +185,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps <= args.warmup:
         parser.error("--steps must exceed --warmup")
-    names = args.runs.split(",") if args.runs else list(RUNS)
+    names = args.runs.split(",") if args.runs else DEFAULT_RUNS
     unknown = [n for n in names if n not in RUNS]
     if unknown:
         parser.error(f"unknown runs {unknown}; choose from {list(RUNS)}")
@@ -226,6 +235,8 @@ def main() -> None:
         rounds = ", ".join(f"{r:.0f}" for r in per_round[name])
         print(f"{name:<20}{results[name]:>13.0f}{max(kept[name]):>8.0f}{len(kept[name]):>7}   {rounds}")
     pairs = [("plait-1", "torchtitan-1", "plait / torchtitan, 1 rank"),
+             ("plait-1", "torchtitan-1-passive", "plait / torchtitan with OMP_WAIT_POLICY=PASSIVE, 1 rank"),
+             ("torchtitan-1-passive", "torchtitan-1", "torchtitan 1 rank, OMP passive / default"),
              ("plait-ep2", "torchtitan-ep2", "plait / torchtitan, FSDP 2 x EP 2"),
              ("plait-ep2", "plait-fsdp2", "plait EP 2 / EP 1 (both FSDP 2)"),
              ("plait-ep2", "plait-1", "plait FSDP 2 x EP 2 / 1 rank"),

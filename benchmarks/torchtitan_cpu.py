@@ -1,17 +1,32 @@
 """Run torchtitan's training entry point on CPU: `python torchtitan_cpu.py <torchtitan args>`.
 
 Meant to run inside the benchmark's torchtitan venv (see bench_trainer_vs_torchtitan.py), as a
-single process (WORLD_SIZE=1). torchtitan 0.3.0 assumes an accelerator; these runtime patches
-touch torchtitan (and which device torch reports to it) only, never plait:
+single process (WORLD_SIZE=1) or under torchrun (gloo; bench_expert_parallel.py). torchtitan
+0.3.0 assumes an accelerator; these runtime patches touch torchtitan (and which device torch
+reports to it) only, never plait:
 
   * report "cpu" as the available device type, so torchtitan picks `torch.cpu` as its device
-    module and builds the model on CPU;
+    module and builds the model on CPU (its process group then uses gloo);
   * give torchtitan a CPU "device module" with the calls it makes on torch.cuda (set_device,
     device name and properties, memory stats: peak RSS stands in for device memory);
+  * import torchtitan's MinimalAsyncEP Triton kernels (imported at module level by every MoE
+    model) under a stub `triton`, removed again right after: triton is not installed on this
+    CPU machine and those kernels never run (the all-to-all dispatcher is used);
   * causal scaled-dot-product attention instead of FlexAttention, whose backward does not run on
-    CPU (the same attention plait's model computes);
+    CPU (the same attention plait's model computes), for Llama 3 and for DeepSeek-V3's MLA;
   * skip the process-group timeout change after step 1 (torch.distributed.set_timeout is not in
-    torch 2.13; a single process has no collective to time out).
+    torch 2.13; a single process has no collective to time out);
+  * FSDP modules reduce gradients with plain SUM (`set_force_sum_reduction_for_comms`): torchtitan
+    sets FSDP's divide factor to 1.0, which selects ReduceOp.PREMUL_SUM, NCCL-only (gloo raises);
+    SUM then x 1.0 gives the same gradients;
+  * optional (PLAIT_BENCH_COUNT_TT_SYNCS=1): count the EP dispatcher's device-to-host transfers
+    of the split sizes (`AllToAllTokenDispatcher._sync_token_count_exchange`), printed at exit.
+
+Besides these patches, 2-rank expert parallel on CPU needs two of torchtitan's own options:
+`--parallelism.spmd_backend partial_dtensor` (the default `spmd_types` stops in FSDP init:
+"When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD mesh ... Got
+plain tensor for parameter 'weight'") and `--training.disable_cuda_graphs` (config validation
+refuses the all-to-all dispatcher with EP otherwise; no CUDA graph runs on CPU anyway).
 """
 
 from __future__ import annotations
