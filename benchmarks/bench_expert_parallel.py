@@ -219,8 +219,8 @@ def main() -> None:
                     for r in records:
                         if "moe_host_syncs" in r:
                             syncs.setdefault(name, []).append(int(r["moe_host_syncs"]))
-                        if "moe_dropped" in r:
-                            dropped.setdefault(name, []).append(float(r["moe_dropped"]))
+                    if any("moe_dropped" in r for r in records):
+                        dropped.setdefault(name, []).append([int(r.get("moe_dropped", 0)) for r in records])
                 else:
                     steps, count = run_torchtitan(args, python, workdir, name)
                     tt_syncs[name] = count
@@ -253,7 +253,8 @@ def main() -> None:
         if name in syncs:
             extra = ""
             if name in dropped:
-                extra = f"; dropped tokens per step (all ranks' layers): {sorted(set(dropped[name]))}"
+                extra = ("; (token, expert) pairs dropped on rank 0 per step, summed over the MoE "
+                         f"layers, per round: {dropped[name]}")
             print(f"  {name}: moe_host_syncs per step {sorted(set(syncs[name]))}{extra}")
         elif name in tt_syncs and tt_syncs[name] is not None:
             print(f"  {name}: {tt_syncs[name]} calls of _sync_token_count_exchange on rank 0 over "
