@@ -17,8 +17,8 @@ import pytest
 
 from plait.trainer.checkpoint import store
 from plait.trainer.cli import EXIT_CONFIG, EXIT_DIVERGED, EXIT_STOPPED
-from plait.trainer.lr_scheduler import lr_factor
 from plait.trainer.config import LRSchedulerConfig
+from plait.trainer.lr_scheduler import lr_factor
 from plait.trainer.testing import cli_env, read_metrics, run_cli
 
 # fmt: off

@@ -72,7 +72,7 @@ class RunLock:
                         f"job.dump_folder = {str(self.path.parent)!r} is in use by another run (pid "
                         f"{holder.get('pid')} on {holder.get('host')}, since {holder.get('since', '?')}): wait for "
                         f"it or stop it, or use another job.dump_folder (if that run is gone, delete {self.path})."
-                    )
+                    ) from None
                 warning = f"took over the stale lock {self.path} of a run that is gone ({holder})"
                 self.path.unlink(missing_ok=True)
                 continue

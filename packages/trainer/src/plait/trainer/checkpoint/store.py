@@ -196,14 +196,19 @@ def check(path: Path) -> dict:
     return meta
 
 
+# Folders whose marker is missing or unreadable sort as the newest: they are looked at (and
+# skipped with a warning) first, as they were when "newest" meant the highest step.
+_UNREADABLE = 2**62
+
+
 def _publication_key(step: int, path: Path) -> tuple[int, int]:
-    """Order of publication: the marker's number; markers without one (older saves, incomplete or
-    unreadable ones) come before every numbered one, by step."""
+    """Order of publication: the marker's number; markers without one (saves from before it was
+    recorded) come before every numbered one, by step."""
     try:
         published = json.loads((path / MARKER).read_text()).get("published", -1)
         return (published if isinstance(published, int) else -1), step
     except (OSError, ValueError, AttributeError):
-        return -1, step
+        return _UNREADABLE, step
 
 
 def by_publication(folder: Path) -> list[Path]:
@@ -213,7 +218,8 @@ def by_publication(folder: Path) -> list[Path]:
 
 def next_publication(folder: Path) -> int:
     """The publication number of the next checkpoint published in `folder`."""
-    return 1 + max((_publication_key(step, path)[0] for step, path in checkpoints(folder)), default=0)
+    keys = (_publication_key(step, path)[0] for step, path in checkpoints(folder))
+    return 1 + max((key for key in keys if key != _UNREADABLE), default=0)
 
 
 def newest_complete(folder: Path, skip: set | None = None) -> tuple[Path | None, dict | None, list[str]]:
