@@ -1,6 +1,6 @@
 """The fault matrix of issue 13 against `plait-train`, in real subprocesses with real signals.
 
-    python benchmarks/reliability.py            # or: nox -s reliability   (~5 min on 2 CPU cores)
+    python benchmarks/reliability.py            # or: nox -s reliability   (5-10 min on 2 CPU cores)
 
 Each row injects one fault into a short run of the Llama 3 debug model (fp32, deterministic, 2
 sequences of 64 tokens per step, warmup 2 then a constant lr, so the schedule does not depend on
@@ -101,9 +101,16 @@ def flip(file: Path) -> None:
     file.write_bytes(bytes(data))
 
 
-def first_error(result: subprocess.CompletedProcess) -> str:
+def first_error(result: subprocess.CompletedProcess, after: str = "error: ") -> str:
+    """The error line's text from `after` on."""
     lines = [line for line in result.stderr.splitlines() if "error:" in line]
-    return lines[0].split("error: ", 1)[1][:90] if lines else ""
+    return lines[0].split(after, 1)[-1] if lines else ""
+
+
+def exit_status(dump: Path) -> str:
+    """What the run wrote to <dump>/exit_status (torchrun's own exit code hides a rank's 75)."""
+    file = dump / "exit_status"
+    return file.read_text().strip() if file.is_file() else "-"
 
 
 def children(pid: int) -> list[int]:
@@ -218,7 +225,7 @@ class Matrix:
             self.add(
                 f"bytes flipped in {file}, load_step 12 asked for",
                 str(result.returncode),
-                f"{steps(dump)} untouched: '{first_error(result)[-60:]}'",
+                f"{steps(dump)} untouched: '...{first_error(result, 'is corrupt: ')[:60]}'",
                 "n/a (refused, one line)",
                 result.returncode == 2 and "does not match its checksum" in result.stderr
                 and "Traceback" not in result.stderr and steps(dump) == [4, 8, 12],
@@ -246,16 +253,17 @@ class Matrix:
         finally:
             proc.kill()
         stop = steps(dump)
+        status = exit_status(dump)
         saved_at_stop = len(stop) == 1 and stop[0] == max(losses(dump))
         resumed = cli(dump, *resume_layout, "--training.steps", "12") if saved_at_stop and stop[0] < 12 else None
         same = equal(dump, reference, stop[0] + 1, 12) if resumed is not None else "n/a (no save, or after step 12)"
         who = "torchrun --nproc-per-node 2" if launcher else ("plait-train --nproc-per-node 2" if layout else "1 process")
         self.add(
             f"SIGTERM to {who}",
-            f"{proc.returncode}, resume {resumed.returncode if resumed else '-'}",
+            f"{proc.returncode} (exit_status {status}), resume {resumed.returncode if resumed else '-'}",
             f"{stop} (saved at the stop step)",
             same,
-            saved_at_stop and (resumed is None or resumed.returncode == 0),
+            saved_at_stop and status == "75" and (resumed is None or resumed.returncode == 0),
         )
 
     def sigkill_launcher(self) -> None:

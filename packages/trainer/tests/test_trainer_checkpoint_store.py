@@ -170,5 +170,6 @@ def test_run_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path):
     lock.path.write_text(json.dumps({"pid": live.pid, "host": lock.owner["host"]}))  # now dead
     assert "stale lock" in lock.acquire()
     assert json.loads(lock.path.read_text())["pid"] == os.getpid()
-    lock.release()
-    assert not lock.path.exists()
+    assert (tmp_path / "exit_status").read_text() == "running\n"  # what a SIGKILLed run leaves
+    lock.release(75)
+    assert not lock.path.exists() and (tmp_path / "exit_status").read_text() == "75\n"

@@ -90,6 +90,7 @@ def test_a_diverged_run_publishes_no_nan_state_and_names_the_last_good_checkpoin
     err = one_error_line(result)
     assert "is nan at step 5" in err and "last good checkpoint is" in err and "step-000004 (step 4)" in err
     assert complete_steps(dump) == [2, 4]  # keep_last pruned nothing for the NaN state
+    assert (dump / "exit_status").read_text() == "1\n"
     diverged = losses(dump)
     assert max(diverged) == 6 and all(diverged[s] == diverged[s] for s in (1, 2, 3, 4))  # finite up to the save
     assert not list((dump / "checkpoints").glob("*.tmp-*"))
@@ -158,7 +159,7 @@ def test_one_run_per_dump_folder_and_sigterm_exits_75_with_a_checkpoint(tmp_path
     finally:
         first.kill()
     assert first.returncode == EXIT_STOPPED, err
-    assert "run the same command to resume" in err
+    assert "run the same command to resume" in err and (dump / "exit_status").read_text() == "75\n"
     steps = complete_steps(dump)
     assert len(steps) == 1 and steps[0] == max(losses(dump))
     assert not (dump / ".plait-run.lock").exists()  # released at exit
@@ -194,6 +195,7 @@ def test_launcher_sigterm_stops_ranks_with_a_checkpoint_and_sigkill_takes_the_ra
     finally:
         proc.kill()
     assert proc.returncode == EXIT_STOPPED, err[-2000:]
+    assert (dump / "exit_status").read_text() == "75\n"  # written by the launcher, which held the lock
     steps = complete_steps(dump)
     assert len(steps) == 1 and steps[0] == max(losses(dump)) and marker(dump, steps[0])["world_size"] == 2
 

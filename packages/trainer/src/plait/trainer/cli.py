@@ -5,12 +5,9 @@
     plait-train --nproc-per-node 2 --training.local_batch_size 4
     torchrun --nproc-per-node 8 -m plait.trainer --config llama3_8B.toml
 
-Exit codes (schedulers requeue on EXIT_STOPPED):
-    0   the run finished its training.steps (or had nothing left to train)
-    1   the run diverged (NaN / inf loss or grad norm); nothing non-finite was checkpointed
-    2   a configuration or checkpoint error, printed as one line (also: the dump folder is in use)
-    75  stopped before finishing (SIGTERM, under a launcher too): run the same command to resume
-    130 interrupted (Ctrl-C)
+Exit codes (exit_codes.py; schedulers requeue on 75): 0 finished, 1 diverged, 2 configuration
+or checkpoint error, 75 stopped before its last step (SIGTERM), 130 interrupted. The code is also
+written to <job.dump_folder>/exit_status, since torchrun turns a rank's 75 into its own 1.
 """
 
 import difflib
@@ -18,6 +15,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from . import exit_codes
 from .config import ConfigError, all_keys, build_config, help_text, load_toml, shipped_configs, to_toml
 
 USAGE = """usage: plait-train [--config FILE.toml] [--print-config] [--nproc-per-node N] [--section.key VALUE ...]
@@ -36,7 +34,8 @@ Multi-node: torchrun --nnodes ... --rdzv-backend c10d --rdzv-endpoint HOST:PORT 
 Settings (--section.key VALUE or --section.key=VALUE; booleans alone mean true):
 """
 
-EXIT_FINISHED, EXIT_DIVERGED, EXIT_CONFIG, EXIT_STOPPED, EXIT_INTERRUPTED = 0, 1, 2, 75, 130
+EXIT_FINISHED, EXIT_DIVERGED, EXIT_CONFIG = exit_codes.FINISHED, exit_codes.DIVERGED, exit_codes.CONFIG
+EXIT_STOPPED, EXIT_INTERRUPTED = exit_codes.STOPPED, exit_codes.INTERRUPTED
 
 # What `plait-train` with no --config runs: the Llama 3 debug model on the shipped corpus.
 DEFAULT_CONFIG = "llama3_debugmodel.toml"
@@ -181,10 +180,12 @@ def _launch_holding_the_lock(config, nproc: int, forward: list[str]) -> int:
     if warning:
         print(f"plait-train: warning: {warning}", file=sys.stderr)
     os.environ[HELD_BY_LAUNCHER] = str(lock.path)
+    code = EXIT_DIVERGED  # if launch itself raises
     try:
-        return launch(nproc, forward, config.job.stop_grace_s)
+        code = launch(nproc, forward, config.job.stop_grace_s)
+        return code
     finally:
-        lock.release()
+        lock.release(code)
 
 
 def main(argv: list[str] | None = None) -> int:

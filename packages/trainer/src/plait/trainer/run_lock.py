@@ -17,6 +17,7 @@ import socket
 import time
 from pathlib import Path
 
+from . import exit_codes
 from .config import ConfigError
 
 LOCK_NAME = ".plait-run.lock"
@@ -79,6 +80,7 @@ class RunLock:
             with os.fdopen(fd, "w") as f:
                 json.dump(dict(self.owner, since=time.strftime("%Y-%m-%dT%H:%M:%S")), f)
             self.held = True
+            self._write_status(exit_codes.RUNNING)  # stays if this run is SIGKILLed
             return warning
         raise ConfigError(f"job.dump_folder: could not take the lock {self.path}; another run is starting there.")
 
@@ -101,11 +103,21 @@ class RunLock:
             return True  # our own pid, reused (a requeued container starts at the same pids)
         return not _alive(pid, holder.get("start"))
 
-    def release(self) -> None:
-        """Remove the lock if this process still owns it."""
+    def _write_status(self, status: str) -> None:
+        tmp = self.path.parent / f".{exit_codes.STATUS_FILE}.tmp"
+        tmp.write_text(f"{status}\n")
+        os.replace(tmp, self.path.parent / exit_codes.STATUS_FILE)
+
+    def release(self, exit_code: int) -> None:
+        """Record the run's exit code in <dump_folder>/exit_status, then remove the lock if this
+        process still owns it."""
         if not self.held:
             return
         self.held = False
+        try:
+            self._write_status(str(exit_code))
+        except OSError:
+            pass
         try:
             if json.loads(self.path.read_text()).get("pid") == self.owner["pid"]:
                 self.path.unlink()

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from plait.mesh import build_meshes, clip_grad_norm_, destroy_distributed, grad_norm, init_distributed
 
+from . import exit_codes
 from .checkpoint import CheckpointManager
 from .config import Config, ConfigError, to_toml
 from .lr_scheduler import build_lr_scheduler
@@ -185,14 +186,14 @@ class Trainer:
         self.lock = _take_run_lock(config, self.rank)
         try:
             self._build(config)
-        except BaseException:
-            self.release()
+        except BaseException as e:
+            self.release(exit_code_of(e))
             raise
 
-    def release(self) -> None:
-        """Give the dump folder's lock back (rank 0, when this process took it)."""
+    def release(self, exit_code: int) -> None:
+        """Record the exit code and give the dump folder's lock back (rank 0, when it took it)."""
         if self.lock is not None:
-            self.lock.release()
+            self.lock.release(exit_code)
 
     def _build(self, config: Config) -> None:
         self.meshes = build_meshes(self.plan.dims, self.device.type)
@@ -452,13 +453,30 @@ class Trainer:
         return finished
 
 
+def exit_code_of(error: BaseException) -> int:
+    """The code plait-train exits with for an exception that ends the run."""
+    if isinstance(error, TrainingDiverged):
+        return exit_codes.DIVERGED
+    if isinstance(error, ConfigError) or type(error).__name__ == "CheckpointException":
+        return exit_codes.CONFIG
+    if isinstance(error, KeyboardInterrupt):
+        return exit_codes.INTERRUPTED
+    return 1
+
+
 def run(config: Config) -> bool:
     """One run; whether it finished its training.steps (False: stopped early by SIGTERM)."""
     trainer = None
+    code = 1
     try:
         trainer = Trainer(config)
-        return trainer.train()
+        finished = trainer.train()
+        code = exit_codes.FINISHED if finished else exit_codes.STOPPED
+        return finished
+    except BaseException as e:
+        code = exit_code_of(e)
+        raise
     finally:
         if trainer is not None:
-            trainer.release()
+            trainer.release(code)
         destroy_distributed()
