@@ -58,9 +58,9 @@ def cli(dump: Path, *args: str, env: dict | None = None, timeout: float = 300) -
     return subprocess.run(command(dump, *args), capture_output=True, text=True, timeout=timeout, env={**ENV, **(env or {})})
 
 
-def start(dump: Path, *args: str, launcher: list[str] | None = None) -> subprocess.Popen:
+def start(dump: Path, *args: str, launcher: list[str] | None = None, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(command(dump, "--training.steps", "100000", "--metrics.log_freq", "1", *args, launcher=launcher),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)  # fmt: skip
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**ENV, **(env or {})})  # fmt: skip
 
 
 def wait_for_step(proc: subprocess.Popen, step: int, timeout: float = 180) -> None:
@@ -77,6 +77,12 @@ def wait_for_step(proc: subprocess.Popen, step: int, timeout: float = 180) -> No
 def steps(dump: Path) -> list[int]:
     folder = dump / "checkpoints"
     return sorted(int(p.name[5:]) for p in folder.glob("step-*") if (p / ".complete").is_file())
+
+
+def unpublished_but_named(dump: Path) -> list[Path]:
+    """`step-N` folders (not `.tmp-`) without a marker: a half-written save posing as a checkpoint."""
+    folder = dump / "checkpoints"
+    return [p for p in folder.glob("step-*") if ".tmp-" not in p.name and not (p / ".complete").is_file()]
 
 
 def marker(dump: Path, step: int) -> dict:
@@ -266,6 +272,28 @@ class Matrix:
             saved_at_stop and status == "75" and (resumed is None or resumed.returncode == 0),
         )
 
+    def sigterm_slow_save(self, grace_s: int, save_s: int) -> None:
+        """SIGTERM to the launcher while the final save takes `save_s`: it must fit in the grace."""
+        dump = self.fresh(f"grace{grace_s}")
+        proc = start(dump, *TWO_RANKS, "--job.stop_grace_s", str(grace_s), env={"PLAIT_TEST_SLOW_SAVE_S": str(save_s)})
+        try:
+            wait_for_step(proc, 2)
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            proc.communicate(timeout=grace_s + 120)
+            took = time.monotonic() - t0
+        finally:
+            proc.kill()
+        saved = steps(dump)
+        fits = grace_s > save_s
+        self.add(
+            f"SIGTERM to plait-train --nproc-per-node 2, a {save_s} s save, stop_grace_s {grace_s}",
+            f"{proc.returncode} after {took:.0f} s (exit_status {exit_status(dump)})",
+            f"{saved}" + (" (saved at the stop step)" if fits else " (ranks SIGKILLed mid-save: nothing half-published)"),
+            "n/a",
+            proc.returncode == 75 and bool(saved) == fits and not unpublished_but_named(dump),
+        )
+
     def sigkill_launcher(self) -> None:
         dump = self.fresh("sigkill")
         proc = start(dump, *TWO_RANKS, "--checkpoint.interval", "2")
@@ -339,6 +367,8 @@ def main() -> int:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                 "--shutdown-timeout", "120", "-m", "plait.trainer"]  # fmt: skip
     m.sigterm("sigterm_torchrun", ["--training.local_batch_size", "1"], torchrun, m.losses2, TWO_RANKS)
+    m.sigterm_slow_save(grace_s=60, save_s=20)
+    m.sigterm_slow_save(grace_s=5, save_s=20)  # what torch elastic's fixed 30 s did to larger saves
     m.sigkill_launcher()
     ro = root / "a_file"
     ro.write_text("")

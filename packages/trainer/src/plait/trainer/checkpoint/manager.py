@@ -35,6 +35,9 @@ from .store import CheckpointError
 # after the checkpoint of step N is published, or after its files are written but before the marker.
 KILL_AFTER_SAVE = "PLAIT_TEST_KILL_AFTER_SAVE"
 KILL_DURING_SAVE = "PLAIT_TEST_KILL_DURING_SAVE"
+# Test hook: every synchronous full save first sleeps this many seconds (a large model's save),
+# to show that the launcher's grace on SIGTERM (job.stop_grace_s) must cover the final save.
+SLOW_SAVE = "PLAIT_TEST_SLOW_SAVE_S"
 
 
 def _test_kill(variable: str, step: int) -> None:
@@ -321,6 +324,8 @@ class CheckpointManager:
             self.pending = (future, step, tmp, meta)
             self._log(f"step {step} staged in {time.perf_counter() - t0:.2f} s, writing in the background")
             return
+        if not model_only and os.environ.get(SLOW_SAVE):
+            time.sleep(float(os.environ[SLOW_SAVE]))
         with store.single_process_quiet():
             dcp.save(sd, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
         _test_kill(KILL_DURING_SAVE, step)
