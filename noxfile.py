@@ -3,6 +3,7 @@
     nox -t test        every test session, then one summary line over all of them
     nox -s train       the default training run (Llama 3 debug model on the shipped corpus)
     nox -s mesh        one package's tests in a venv holding only it and what it declares
+    nox -s reliability the fault matrix against plait-train (kills, corruption, NaN, locks), one table
 
 Venvs are reused between runs (torch is installed once per venv, from the pinned wheel).
 """
@@ -109,3 +110,10 @@ def bench(session: nox.Session) -> None:
     """plait's tokens/s next to torchtitan's on the same CPU config (see benchmarks/)."""
     _install(session, ALL, extras="")
     session.run("python", "benchmarks/bench_trainer_vs_torchtitan.py", *session.posargs)
+
+
+@nox.session
+def reliability(session: nox.Session) -> None:
+    """Faults against plait-train in subprocesses (benchmarks/reliability.py): one table row each."""
+    _install(session, ["mesh", "models", "dataparallel", "trainer"], extras="")
+    session.run("python", "benchmarks/reliability.py", *session.posargs, env={"OMP_NUM_THREADS": "1"})

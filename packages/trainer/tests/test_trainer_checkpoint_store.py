@@ -103,3 +103,73 @@ def test_checkpoint_settings_are_checked_up_front(overrides, world_size, message
     config = build_config(None, list(overrides.items()))
     with pytest.raises(ConfigError, match=message):
         validate(config, world_size=world_size)
+
+
+def test_checksums_catch_flipped_bytes_and_an_unreadable_rng_file(tmp_path):
+    path = store.temp_path(tmp_path, 5, "aaaa")
+    state = {"model": {"w": torch.full((64, 64), 5.0)}}
+    with store.single_process_quiet():
+        dcp.save(state, checkpoint_id=str(path), no_dist=True)
+    from plait.trainer.checkpoint.state import load_rng, save_rng
+
+    save_rng(path, 0)
+    names = store.owned_files(path, rank=0, world_size=1)
+    assert set(names) == {".metadata", "__0_0.distcp", "rng-rank00000.pt"}
+    assert store.owned_files(path, rank=1, world_size=2) == []  # rank 1 wrote nothing here
+    store.write_marker(path, {"step": 5}, store.checksums(path, names))
+    meta = store.read_marker(path)
+    assert store.verify_checksums(path, meta) is None
+    rng = path / "rng-rank00000.pt"
+    data = bytearray(rng.read_bytes())
+    data[10:30] = bytes(20)
+    rng.write_bytes(bytes(data))  # same size: check() passes, the checksum does not
+    store.check(path)
+    assert "rng-rank00000.pt does not match its checksum" in store.verify_checksums(path, meta)
+    with pytest.raises(CheckpointError, match="rng-rank00000.pt is unreadable"):
+        load_rng(path, 0)  # not a raw UnpicklingError
+
+
+def test_newest_and_pruning_follow_publication_order_not_steps(tmp_path):
+    for step in (10, 15, 20):
+        save(tmp_path, step)
+    for published, step in enumerate((10, 15, 20, 12), start=1):  # a run rolled back to 10 saved 12
+        if step == 12:
+            save(tmp_path, 12)
+        marker = tmp_path / store.step_name(step) / store.MARKER
+        marker.write_text(json.dumps(dict(json.loads(marker.read_text()), published=published)))
+    assert store.next_publication(tmp_path) == 5
+    assert store.newest_complete(tmp_path)[0].name == "step-000012"
+    assert [p.name for p in store.prune(tmp_path, keep_last=2)] == ["step-000010", "step-000015"]
+    assert [s for s, _ in store.checkpoints(tmp_path)] == [12, 20]
+    skip = set()
+    (tmp_path / "step-000012" / "__0_0.distcp").unlink()
+    path, _, warnings = store.newest_complete(tmp_path, skip=skip)
+    assert path.name == "step-000020" and skip == {str(tmp_path / "step-000012")} and len(warnings) == 1
+
+
+def test_run_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from plait.trainer.run_lock import RunLock
+
+    lock = RunLock(str(tmp_path))
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lock.path.write_text(json.dumps({"pid": live.pid, "host": lock.owner["host"], "since": "then"}))
+        with pytest.raises(ConfigError, match=f"is in use by another run \\(pid {live.pid} on "):
+            lock.acquire()
+        other_host = {"pid": live.pid, "host": "elsewhere"}
+        lock.path.write_text(json.dumps(other_host))
+        with pytest.raises(ConfigError, match="on elsewhere"):
+            lock.acquire()
+    finally:
+        live.kill()
+        live.wait()
+    lock.path.write_text(json.dumps({"pid": live.pid, "host": lock.owner["host"]}))  # now dead
+    assert "stale lock" in lock.acquire()
+    assert json.loads(lock.path.read_text())["pid"] == os.getpid()
+    assert (tmp_path / "exit_status").read_text() == "running\n"  # what a SIGKILLed run leaves
+    lock.release(75)
+    assert not lock.path.exists() and (tmp_path / "exit_status").read_text() == "75\n"

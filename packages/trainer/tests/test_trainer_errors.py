@@ -48,6 +48,12 @@ def test_cli_errors_in_a_subprocess(args, message):
         (["--model.flavor", "debugmode"], "Did you mean debugmodel?"),
         (["--training.steps", "0"], "training.steps = 0: must be >= 1"),
         (["--data.val_dataset", "", "--data.val_interval", "5"], "data.val_dataset is empty"),
+        (["--optimizer.lr", "nan"], "optimizer.lr = 'nan': must be a finite number"),
+        (["--optimizer.lr", "inf"], "optimizer.lr = 'inf': must be a finite number"),
+        (["--training.max_norm", "nan"], "training.max_norm = 'nan': must be a finite number"),
+        (["--optimizer.betas", "0.9,-inf"], "optimizer.betas = '-inf': must be a finite number"),
+        (["--job.dump_folder", ""], "job.dump_folder = '' is empty"),
+        (["--checkpoint.enable", "true", "--checkpoint.folder", ""], 'checkpoint.folder = "": name a folder'),
     ],
 )
 def test_config_errors(args, message, capsys):
@@ -80,3 +86,19 @@ def test_non_finite_loss_names_the_step():
     rows = [{"step": 3, "loss": 5.0, "grad_norm": 1.0}, {"step": 4, "loss": float("nan"), "grad_norm": 1.0}]
     with pytest.raises(TrainingDiverged, match="loss is nan at step 4: .*optimizer.lr"):
         Trainer._check_finite(None, rows)
+
+
+def test_unwritable_folders_are_found_before_training(tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    assert main(["--job.dump_folder", str(a_file / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"job.dump_folder = '{a_file / 'run'}' is not a folder ({a_file} is a file)" in err and err.count("\n") == 1
+    args = ["--job.dump_folder", str(tmp_path / "run"), "--checkpoint.enable", "true", "--checkpoint.folder", str(a_file)]
+    assert main(args) == 2
+    assert f"checkpoint.folder = '{a_file}' is not a folder" in capsys.readouterr().err
+    if os.geteuid() != 0:  # root writes into read-only folders anyway
+        read_only = tmp_path / "read_only"
+        read_only.mkdir(mode=0o555)
+        assert main(["--job.dump_folder", str(read_only / "run")]) == 2
+        assert "is not writable" in capsys.readouterr().err

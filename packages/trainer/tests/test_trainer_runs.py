@@ -124,7 +124,7 @@ def test_sigterm_finishes_the_step_and_exits_cleanly(tmp_path):
         out, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
-    assert proc.returncode == 0, err
+    assert proc.returncode == 75, err  # stopped before its steps: not 0, so schedulers requeue it
     assert "SIGTERM, stopped after step" in out
     rows = read_metrics(dump)
     assert 1 <= len(rows) < 10000

@@ -5,7 +5,9 @@
     plait-train --nproc-per-node 2 --training.local_batch_size 4
     torchrun --nproc-per-node 8 -m plait.trainer --config llama3_8B.toml
 
-Configuration errors print one line and exit 2; a diverged run exits 1.
+Exit codes (exit_codes.py; schedulers requeue on 75): 0 finished, 1 diverged, 2 configuration
+or checkpoint error, 75 stopped before its last step (SIGTERM), 130 interrupted. The code is also
+written to <job.dump_folder>/exit_status, since torchrun turns a rank's 75 into its own 1.
 """
 
 import difflib
@@ -13,6 +15,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from . import exit_codes
 from .config import ConfigError, all_keys, build_config, help_text, load_toml, shipped_configs, to_toml
 
 USAGE = """usage: plait-train [--config FILE.toml] [--print-config] [--nproc-per-node N] [--section.key VALUE ...]
@@ -30,6 +33,9 @@ Multi-node: torchrun --nnodes ... --rdzv-backend c10d --rdzv-endpoint HOST:PORT 
 
 Settings (--section.key VALUE or --section.key=VALUE; booleans alone mean true):
 """
+
+EXIT_FINISHED, EXIT_DIVERGED, EXIT_CONFIG = exit_codes.FINISHED, exit_codes.DIVERGED, exit_codes.CONFIG
+EXIT_STOPPED, EXIT_INTERRUPTED = exit_codes.STOPPED, exit_codes.INTERRUPTED
 
 # What `plait-train` with no --config runs: the Llama 3 debug model on the shipped corpus.
 DEFAULT_CONFIG = "llama3_debugmodel.toml"
@@ -124,8 +130,12 @@ def _under_launcher() -> bool:
     return "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
 
 
-def launch(nproc: int, forward: list[str]) -> int:
-    """Start `nproc` local ranks of `python -m plait.trainer <forward>` with torch's elastic launcher."""
+def launch(nproc: int, forward: list[str], stop_grace_s: int) -> int:
+    """Start `nproc` local ranks of `python -m plait.trainer <forward>` with torch's elastic launcher.
+
+    On SIGTERM the launcher forwards it to the ranks (which finish their step and save) and waits
+    `stop_grace_s` for them before SIGKILL (torch's default of 30 s cuts off large saves).
+    """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
@@ -133,23 +143,49 @@ def launch(nproc: int, forward: list[str]) -> int:
     # Local ranks talk over loopback; interface discovery can pick an unroutable one in containers.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     launcher_args = get_args_parser().parse_args(
-        ["--standalone", f"--nproc-per-node={nproc}", "--module", "plait.trainer", *forward]
-    )
+        ["--standalone", f"--nproc-per-node={nproc}", f"--shutdown-timeout={stop_grace_s}", "--module",
+         "plait.trainer", *forward]
+    )  # fmt: skip
     try:
         run(launcher_args)
     except ChildFailedError as e:
         failures = e.failures
         rank, failure = min(failures.items())
+        if failure.exitcode == EXIT_STOPPED:
+            print(_stopped_message(), file=sys.stderr)
+            return EXIT_STOPPED
         print(
             f"plait-train: rank {rank} of {nproc} failed with exit code {failure.exitcode} (see its output above).",
             file=sys.stderr,
         )
         return failure.exitcode if failure.exitcode > 0 else 1
     except SignalException as e:
-        # The launcher forwarded the signal; the ranks finish their step and write their metrics.
-        print(f"plait-train: stopped by signal {e.sigval}.", file=sys.stderr)
-        return 0
-    return 0
+        # The ranks got the signal too and stopped after their step (and its checkpoint); the run
+        # did not finish its steps, so a scheduler must see a failure and requeue it.
+        print(f"plait-train: stopped by signal {e.sigval}; {_stopped_message()}", file=sys.stderr)
+        return EXIT_STOPPED
+    return EXIT_FINISHED
+
+
+def _stopped_message() -> str:
+    return f"the run stopped before its last step (exit {EXIT_STOPPED}): run the same command to resume."
+
+
+def _launch_holding_the_lock(config, nproc: int, forward: list[str]) -> int:
+    """The launcher holds the dump folder's lock for its ranks (they see PLAIT_RUN_LOCK and skip it)."""
+    from .run_lock import HELD_BY_LAUNCHER, RunLock
+
+    lock = RunLock(config.job.dump_folder)
+    warning = lock.acquire()
+    if warning:
+        print(f"plait-train: warning: {warning}", file=sys.stderr)
+    os.environ[HELD_BY_LAUNCHER] = str(lock.path)
+    code = EXIT_DIVERGED  # if launch itself raises
+    try:
+        code = launch(nproc, forward, config.job.stop_grace_s)
+        return code
+    finally:
+        lock.release(code)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,6 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     # Spinning threads starve each other whenever the cores are shared (other ranks, other jobs),
     # which can make a CPU step 10x slower; set OMP_WAIT_POLICY=ACTIVE to get spinning back.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if _under_launcher():
+        from .launcher_watch import die_with_launcher
+
+        die_with_launcher()
+    from torch.distributed.checkpoint.api import CheckpointException
+
     from .train import TrainingDiverged
 
     try:
@@ -177,21 +219,28 @@ def main(argv: list[str] | None = None) -> int:
             from .validate import validate
 
             validate(config, world_size=args.nproc_per_node)  # fail here, before any rank starts
-            return launch(args.nproc_per_node, args.forward)
+            return _launch_holding_the_lock(config, args.nproc_per_node, args.forward)
         from .train import run
 
-        run(config)
-        return 0
+        finished = run(config)
+        if not finished and os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"plait-train: {_stopped_message()}", file=sys.stderr)
+        return EXIT_FINISHED if finished else EXIT_STOPPED
     except ConfigError as e:
         print(f"plait-train: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
+    except CheckpointException as e:
+        # DCP's failure type derives from BaseException (it would escape `except Exception`).
+        print(f"plait-train: error: checkpoint: {str(e).strip().splitlines()[0] if str(e).strip() else e!r}",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_CONFIG
     except TrainingDiverged as e:
         if os.environ.get("RANK", "0") == "0":  # the same on every rank (losses are all-reduced)
             print(f"plait-train: error: {e}", file=sys.stderr)
-        return 1
+        return EXIT_DIVERGED
     except KeyboardInterrupt:
         print("plait-train: interrupted.", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 __all__ = ["main", "parse_args", "help_text"]

@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import math
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -30,11 +31,16 @@ class ConfigError(ValueError):
 @dataclass
 class JobConfig:
     dump_folder: str = "./outputs"
-    """Folder for metrics.jsonl, tensorboard events (tb/), profiler traces and checkpoints."""
+    """Folder for metrics.jsonl, tensorboard events (tb/), profiler traces and checkpoints. One run
+    at a time: a run holds <dump_folder>/.plait-run.lock (pid and host) while it trains."""
     seed: int = 0
     """Seed of the initial weights and the data order; the same seed gives the same run on any layout."""
     description: str = ""
     """Free text, printed at start-up."""
+    stop_grace_s: int = 300
+    """On SIGTERM, seconds `plait-train --nproc-per-node` gives its ranks to finish the step and save
+    a checkpoint before it SIGKILLs them (torch elastic's shutdown timeout; under torchrun pass
+    --shutdown-timeout). Send the signal at least this long before a scheduler's hard limit."""
 
 
 @dataclass
@@ -314,12 +320,17 @@ def coerce(name: str, tp: Any, value: Any) -> Any:
         except ValueError:
             raise ConfigError(f"{name} = {value!r}: expected an integer.") from None
     if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+        if isinstance(value, bool):
+            raise ConfigError(f"{name} = {value!r}: expected a number.")
         try:
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{name} = {value!r}: expected a number.") from None
+        if not math.isfinite(number):
+            # float() accepts "nan" and "inf": a NaN lr crashes inside torch, an infinite one trains
+            # to NaN, a NaN max_norm silently disables clipping.
+            raise ConfigError(f"{name} = {value!r}: must be a finite number.")
+        return number
     if tp is str:
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{name} = {value!r}: expected a string.")

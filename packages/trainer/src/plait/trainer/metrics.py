@@ -142,6 +142,17 @@ class MetricsLogger:
         w.data_s.append(data_s)
         w.extras.append(dict(extra or {}))
 
+    def window_finite(self) -> bool:
+        """Whether every loss and grad norm recorded since the last flush is finite on every rank:
+        one all-reduce over the world and one host sync (called before a checkpoint, not per step)."""
+        w = self.window
+        if not w.steps:
+            return True
+        finite = torch.isfinite(torch.stack(w.losses + w.grad_norms)).all().float().reshape(1)
+        if dist.is_initialized():
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        return bool(finite.item())
+
     def exclude(self, seconds: float) -> None:
         """Leave `seconds` (e.g. validation) out of the current window's throughput."""
         self.window.excluded_s += seconds

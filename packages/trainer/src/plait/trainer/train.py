@@ -2,7 +2,9 @@
 
 The loop keeps everything on the device between log steps: losses and gradient norms are
 recorded as tensors and flushed every `metrics.log_freq` steps (metrics.py), which is also when
-non-finite losses are caught and a SIGTERM is agreed on across ranks.
+non-finite losses are caught and a SIGTERM is agreed on across ranks. Before every checkpoint the
+steps since the last flush are checked too (one all-reduce and one host sync per save), so a
+non-finite state is never published and never makes `keep_last` prune a good one.
 """
 
 import contextlib
@@ -17,6 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from plait.mesh import build_meshes, clip_grad_norm_, destroy_distributed, grad_norm, init_distributed
 
+from . import exit_codes
 from .checkpoint import CheckpointManager
 from .config import Config, ConfigError, to_toml
 from .data.sources import DataError
@@ -25,6 +28,7 @@ from .metrics import MetricsLogger, peak_tflops
 from .moe_step import MoEStep
 from .optimizer import build_optimizer
 from .parallelize import parallelize
+from .run_lock import HELD_BY_LAUNCHER, RunLock
 from .validate import RunPlan, validate
 
 
@@ -53,7 +57,8 @@ def _set_determinism(config: Config) -> None:
 
 
 class _StopSignal:
-    """SIGTERM sets a flag; the loop finishes its step, writes its metrics and exits 0."""
+    """SIGTERM sets a flag; the loop finishes its step, writes its metrics, saves (with checkpoints
+    enabled) and the run ends unfinished (plait-train exits 75 so schedulers requeue it)."""
 
     def __init__(self):
         self.requested = False
@@ -72,6 +77,30 @@ class _StopSignal:
 
     def restore(self):
         signal.signal(signal.SIGTERM, self._previous)
+
+
+def _take_run_lock(config: Config, rank: int) -> RunLock | None:
+    """Rank 0 locks the dump folder (unless the plait launcher holds it for the ranks) and every
+    rank learns the verdict, so all fail with the same line and none waits in a collective."""
+    if os.environ.get(HELD_BY_LAUNCHER):
+        return None
+    lock, verdict = None, None
+    if rank == 0:
+        lock = RunLock(config.job.dump_folder)
+        try:
+            verdict = ("ok", lock.acquire())
+        except ConfigError as e:
+            verdict = ("error", str(e))
+    if dist.is_initialized():
+        box = [verdict]
+        dist.broadcast_object_list(box, src=0)
+        verdict = box[0]
+    kind, value = verdict
+    if kind == "error":
+        raise ConfigError(value)
+    if value and rank == 0:
+        print(f"plait-train: warning: {value}", flush=True)
+    return lock
 
 
 def _data_exchange():
@@ -136,6 +165,19 @@ class Trainer:
         self.dist = init_distributed()
         self.device = self.dist.device
         self.rank = self.dist.rank
+        self.lock = _take_run_lock(config, self.rank)
+        try:
+            self._build(config)
+        except BaseException as e:
+            self.release(exit_code_of(e))
+            raise
+
+    def release(self, exit_code: int) -> None:
+        """Record the exit code and give the dump folder's lock back (rank 0, when it took it)."""
+        if self.lock is not None:
+            self.lock.release(exit_code)
+
+    def _build(self, config: Config) -> None:
         self.meshes = build_meshes(self.plan.dims, self.device.type)
         self.pm = parallelize(config, self.plan, self.meshes, self.device)
         self.model = self.pm.model
@@ -300,7 +342,13 @@ class Trainer:
                         "more lr_scheduler.warmup_steps, a smaller training.max_norm, or training.dtype = float32."
                     )
 
-    def train(self) -> None:
+    def _check_finite_before_save(self, metrics: MetricsLogger) -> None:
+        """Raise TrainingDiverged if any step since the last flush was non-finite on any rank."""
+        if not metrics.window_finite():
+            self._check_finite(metrics.flush())  # the rows name the first bad step
+
+    def train(self) -> bool:
+        """Train to training.steps; return whether the run finished (False: stopped by SIGTERM)."""
         c = self.config
         if self.rank == 0:
             n_params = sum(p.numel() for p in self.plan.model.parameters())
@@ -321,12 +369,14 @@ class Trainer:
             path = self.checkpointer.save_seed()
             if self.rank == 0:
                 print(f"plait-train: seed checkpoint {path} written; start runs from it.", flush=True)
-            return
+            return True
         metrics = self._metrics()
         stop = _StopSignal()
         data_iter = iter(self.loader)
         start, start_step = time.perf_counter(), self.step
         first_loss = last_loss = None
+        finished = self.step >= c.training.steps
+        stop_now = False
         try:
             with _profiler(c, self.rank, self.device) as prof:
                 while self.step < c.training.steps:
@@ -356,6 +406,8 @@ class Trainer:
                         first_loss = rows[0]["loss"] if first_loss is None else first_loss
                         last_loss = rows[-1]["loss"]
                         self._check_finite(rows)
+                    elif self.checkpointer.due(self.step, last=last, stopping=stop_now):
+                        self._check_finite_before_save(metrics)
                     self.checkpointer.after_step(self.step, last=last, stopping=stop_now)
                     if stop_now:
                         if self.rank == 0:
@@ -365,9 +417,15 @@ class Trainer:
                         t_val = time.perf_counter()
                         metrics.log_scalars(self.step, {"val_loss": self.validate_loss()})
                         metrics.exclude(time.perf_counter() - t_val)  # not training throughput
+                finished = self.step >= c.training.steps and not stop_now
             self.checkpointer.close()
             if hasattr(self.loader, "close"):  # the prefetch thread ends after its last exchange
                 self.loader.close()
+        except TrainingDiverged as e:
+            # Every rank is here at the same step (the verdict came from all-reduced values): a save
+            # still in flight holds an earlier, finite state, so it is published before stopping.
+            self.checkpointer.close()
+            raise TrainingDiverged(f"{e} {self.checkpointer.last_good_note()}") from None
         finally:
             if not dist.is_initialized():
                 # After an error, write what was recorded (alone: other ranks may not reach a collective).
@@ -387,10 +445,33 @@ class Trainer:
                 f"{last_loss:.4f}; metrics in {os.path.join(c.job.dump_folder, 'metrics.jsonl')}",
                 flush=True,
             )
+        return finished
 
 
-def run(config: Config) -> None:
+def exit_code_of(error: BaseException) -> int:
+    """The code plait-train exits with for an exception that ends the run."""
+    if isinstance(error, TrainingDiverged):
+        return exit_codes.DIVERGED
+    if isinstance(error, ConfigError) or type(error).__name__ == "CheckpointException":
+        return exit_codes.CONFIG
+    if isinstance(error, KeyboardInterrupt):
+        return exit_codes.INTERRUPTED
+    return 1
+
+
+def run(config: Config) -> bool:
+    """One run; whether it finished its training.steps (False: stopped early by SIGTERM)."""
+    trainer = None
+    code = 1
     try:
-        Trainer(config).train()
+        trainer = Trainer(config)
+        finished = trainer.train()
+        code = exit_codes.FINISHED if finished else exit_codes.STOPPED
+        return finished
+    except BaseException as e:
+        code = exit_code_of(e)
+        raise
     finally:
+        if trainer is not None:
+            trainer.release(code)
         destroy_distributed()

@@ -93,6 +93,7 @@ def _check_positive(config: Config) -> None:
         "metrics.profile_interval": config.metrics.profile_interval,
         "checkpoint.interval": config.checkpoint.interval,
         "checkpoint.keep_last": config.checkpoint.keep_last,
+        "job.stop_grace_s": config.job.stop_grace_s,
         "metrics.cpu_peak_tflops": config.metrics.cpu_peak_tflops,
     }
     for key, value in nonneg.items():
@@ -196,6 +197,38 @@ def _check_hf_weights(config: Config, model_args) -> None:
         raise ConfigError(str(e)) from None
 
 
+def _writable_folder_problem(path: str) -> str | None:
+    """Why `path` cannot become a folder this process writes into, or None. Creates nothing: the
+    nearest existing ancestor must be a writable folder (access(2) also sees read-only mounts)."""
+    if not path:
+        return "is empty"
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        return f"is not a folder ({probe} is a file)"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"is not writable ({probe} is read-only for this user)"
+    return None
+
+
+def _check_folders(config: Config) -> None:
+    """The run's folders are writable before anything trains (not an OSError at the first save)."""
+    folders = [("job.dump_folder", config.job.dump_folder)]
+    c = config.checkpoint
+    if c.enable or c.create_seed_checkpoint:
+        if not c.folder:
+            raise ConfigError('checkpoint.folder = "": name a folder (relative to job.dump_folder, or absolute).')
+        folders.append(("checkpoint.folder", os.path.join(config.job.dump_folder, c.folder)))
+    for key, path in folders:
+        problem = _writable_folder_problem(path)
+        if problem:
+            raise ConfigError(f"{key} = {path!r} {problem}: set {key} to a folder this user can write.")
+
+
 def _model_spec(config: Config):
     from plait.models import get_model_spec, list_models
 
@@ -288,6 +321,7 @@ def validate(config: Config, world_size: int | None = None) -> RunPlan:
             parallel_modules[axis] = optional_parallel_module(axis, degree)
 
     _check_checkpoint(config, world_size)
+    _check_folders(config)
     spec = _model_spec(config)
     model_args = resolve_model_args(config, spec)
     seq_len, max_seq_len = config.training.seq_len, model_args.max_seq_len

@@ -41,6 +41,9 @@ def read_model_state(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
 
     path = Path(path)
     meta = store.check(path)
+    problem = store.verify_checksums(path, meta)
+    if problem:
+        raise store.CheckpointError(problem)
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
     prefix = "model."
     template = {

@@ -1,26 +1,31 @@
 """Save, resume, keep: the checkpoint life cycle of one run.
 
-- **Resume**: with `checkpoint.enable`, the newest complete checkpoint in the folder (or
-  `load_step`'s) is validated on rank 0 (files against the marker, DCP metadata, the model's
-  names and shapes) and the verdict broadcast, so every rank loads the same one or every rank
-  fails with the same one-line error. DCP reshards model and optimizer into this run's layout.
+- **Resume**: with `checkpoint.enable`, the most recently published complete checkpoint in the
+  folder (or `load_step`'s) is validated on rank 0 (files against the marker, DCP metadata, the
+  model's names and shapes) and the verdict broadcast; then every rank checks the CRC-32 of a
+  share of its files and the verdicts are gathered, so every rank loads the same one, falls back
+  to the one before it together (auto-resume), or fails with the same one-line error. DCP
+  reshards model and optimizer into this run's layout; this run's optimizer settings and LR
+  schedule then replace the saved ones (printed when they differ).
   Otherwise `initial_load_path` (a checkpoint or a Hugging Face folder) gives the initial weights.
 - **Save**: every `interval` steps, at the end and on SIGTERM, into `step-N.tmp-<run id>`; when
-  every rank has written, rank 0 writes the `.complete` marker and renames the folder (see
-  `store`). `async_mode = "async"` stages the state into CPU memory and writes it from a thread
+  every rank has written and hashed its own files, rank 0 writes the `.complete` marker (with
+  the checksums) and renames the folder (see `store`). The trainer saves only finite states. `async_mode = "async"` stages the state into CPU memory and writes it from a thread
   over a dedicated gloo group; rank 0 publishes it when its write finished (DCP's coordinator
   finishes only after every rank's data is written). One save is in flight at a time.
-- **Keep**: after each publish, only the newest `keep_last` complete checkpoints remain; at start,
-  rank 0 deletes temporaries that dead runs left behind.
+- **Keep**: after each publish, only the `keep_last` most recently published complete checkpoints
+  remain; at start, rank 0 deletes temporaries that dead runs left behind.
 """
 
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..config import Config
 from . import hf_export, hf_sharded, state, store
@@ -30,6 +35,9 @@ from .store import CheckpointError
 # after the checkpoint of step N is published, or after its files are written but before the marker.
 KILL_AFTER_SAVE = "PLAIT_TEST_KILL_AFTER_SAVE"
 KILL_DURING_SAVE = "PLAIT_TEST_KILL_DURING_SAVE"
+# Test hook: every synchronous full save first sleeps this many seconds (a large model's save),
+# to show that the launcher's grace on SIGTERM (job.stop_grace_s) must cover the final save.
+SLOW_SAVE = "PLAIT_TEST_SLOW_SAVE_S"
 
 
 def _test_kill(variable: str, step: int) -> None:
@@ -51,6 +59,14 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _all_gather(obj) -> list:
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 class CheckpointManager:
     def __init__(self, config: Config, dims, model, optimizer, scheduler, loader, rank: int):
         self.config, self.c = config, config.checkpoint
@@ -61,6 +77,9 @@ class CheckpointManager:
         self.saving = self.c.enable or self.c.create_seed_checkpoint
         self.run_id = _broadcast(os.urandom(4).hex()) if self.saving else ""
         self.async_group = None
+        self.writer = None  # the thread that hashes an async save's files once DCP wrote them
+        self.last_good: tuple[int, Path] | None = None  # (step, path) of the newest finite state on disk
+        self._rejected: set[str] = set()  # rank 0: checkpoints found damaged while choosing
         if self.c.enable and self.c.async_mode == "async" and dist.is_initialized():
             # Collectives of the background writer must not interleave with training's.
             self.async_group = dist.new_group(backend="gloo")
@@ -91,7 +110,7 @@ class CheckpointManager:
         # Shapes on every rank before rank 0 decides alone (no rank may enter a collective by itself).
         self._shapes = {name: tuple(t.shape) for name, t in state.model_state(self.model).items()}
         if self.c.enable and not self.c.create_seed_checkpoint:
-            path, meta = self._agree(self._choose)
+            path, meta = self._choose_verified()
             if path is not None:
                 return self._load(Path(path), meta)
         if self.c.initial_load_path:
@@ -111,6 +130,32 @@ class CheckpointManager:
             raise CheckpointError(value)
         return value
 
+    def _choose_verified(self) -> tuple[str | None, dict | None]:
+        """Rank 0 chooses, every rank verifies a share of the checksums; auto-resume falls back to
+        the checkpoint published before a damaged one, an explicit load_step fails."""
+        while True:
+            path, meta = self._agree(self._choose)
+            if path is None:
+                return None, None
+            problem = self._verify(Path(path), meta)
+            if problem is None:
+                return path, meta
+            if self.c.load_step >= 0:
+                raise CheckpointError(
+                    f"{problem}; checkpoint.load_step = {self.c.load_step} asks for it: pick another step or -1 "
+                    "for the newest good one"
+                )
+            if self.rank == 0:
+                print(f"plait-train: warning: checkpoint: skipping {problem}", flush=True)
+                self._rejected.add(path)
+
+    def _verify(self, path: Path, meta: dict) -> str | None:
+        """Every rank hashes every world_size-th recorded file; the first problem any rank found."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        names = sorted(meta.get("checksums") or {})
+        problem = store.verify_checksums(path, meta, names[self.rank :: world])
+        return next((p for p in _all_gather(problem) if p), None)
+
     def _choose(self) -> tuple[str | None, dict | None]:
         step = self.c.load_step
         if step >= 0:
@@ -128,7 +173,7 @@ class CheckpointManager:
                     f"{e}; checkpoint.load_step = {step} asks for it: pick another step or -1 for the newest complete one"
                 ) from None
         else:
-            path, meta, warnings = store.newest_complete(self.folder)
+            path, meta, warnings = store.newest_complete(self.folder, skip=self._rejected)
             for warning in warnings:
                 print(f"plait-train: warning: checkpoint: {warning}", flush=True)
             if path is None:
@@ -161,7 +206,7 @@ class CheckpointManager:
         try:
             with store.single_process_quiet():
                 dcp.load(sd, checkpoint_id=str(path), no_dist=not dist.is_initialized())
-        except Exception as e:  # DCP wraps per-rank failures; one line is what the user needs
+        except (Exception, CheckpointException) as e:  # DCP's derives from BaseException; one line is what the user needs
             raise CheckpointError(f"checkpoint {path} could not be loaded: {str(e).strip().splitlines()[0]}") from None
 
     def _load(self, path: Path, meta: dict) -> int:
@@ -176,7 +221,8 @@ class CheckpointManager:
         sd[state.TRAIN_STATE] = ""
         self._dcp_load(sd, path)
         state.load_full(self.model, self.optimizer, sd)
-        step = state.load_train_state(sd[state.TRAIN_STATE], self.scheduler, self.loader)
+        step, saved_settings = state.load_train_state(sd[state.TRAIN_STATE], self.scheduler, self.loader)
+        changes = state.apply_configured_schedule(self.optimizer, self.scheduler, self.config, saved_settings)
         same_layout = meta.get("world_size") == self.dims.world_size and meta.get("layout") == self.layout
         rng = same_layout and state.load_rng(path, self.rank)
         how = "same layout" if same_layout else f"resharded from {meta.get('world_size')} ranks {meta.get('layout')}"
@@ -184,6 +230,12 @@ class CheckpointManager:
             f"resuming from {path} (step {step}, {how}{', RNG restored' if rng else ''}) "
             f"in {time.perf_counter() - t0:.1f} s"
         )
+        if changes:
+            self._log(
+                f"this run's settings replace the checkpoint's: {', '.join(changes)}; the schedule continues at "
+                f"step {step + 1} with lr {self.scheduler.get_last_lr()[0]:.3g}"
+            )
+        self.last_good = (step, path)
         return step
 
     def _load_initial(self) -> None:
@@ -201,7 +253,10 @@ class CheckpointManager:
             self._check_model(path, dict(meta, model_only=True))
             return str(path), meta
 
-        self._agree(decide)
+        _, meta = self._agree(decide)
+        problem = self._verify(path, meta)
+        if problem:
+            raise CheckpointError(f"{problem}; checkpoint.initial_load_path names it: use another checkpoint")
         sd = {state.MODEL: state.model_state(self.model)}
         self._dcp_load(sd, path)
         state.load_model(self.model, sd[state.MODEL])
@@ -209,14 +264,15 @@ class CheckpointManager:
 
     # ---- save ---------------------------------------------------------------------------------
 
+    def due(self, step: int, last: bool = False, stopping: bool = False) -> bool:
+        """Whether `after_step` saves at this step (the trainer checks the state is finite first)."""
+        return self.c.enable and (last or stopping or (self.c.interval > 0 and step % self.c.interval == 0))
+
     def after_step(self, step: int, last: bool = False, stopping: bool = False) -> None:
         """Called on every rank after every step: publish a finished async save, save when due."""
         if self.pending is not None:
             self._poll()
-        if not self.c.enable:
-            return
-        due = last or stopping or (self.c.interval > 0 and step % self.c.interval == 0)
-        if due:
+        if self.due(step, last, stopping):
             final = last or stopping
             self._save(step, model_only=False, background=self.c.async_mode == "async" and not final)
             if last and self.c.last_save_in_hf:
@@ -250,32 +306,58 @@ class CheckpointManager:
             sd = {state.MODEL: state.model_state(self.model)}
         else:
             sd = state.full_state(self.model, self.optimizer)
-            sd[state.TRAIN_STATE] = state.train_state(step, self.scheduler, self.loader)
+            sd[state.TRAIN_STATE] = state.train_state(step, self.scheduler, self.loader, self.config)
             state.save_rng(tmp, self.rank)
         meta = self._meta(step, model_only)
         if background:
             with store.single_process_quiet():
-                future = dcp.async_save(
+                written = dcp.async_save(
                     sd, checkpoint_id=str(tmp), process_group=self.async_group, no_dist=not dist.is_initialized()
                 )
+            if self.writer is None:
+                self.writer = ThreadPoolExecutor(1, thread_name_prefix="plait-checksums")
+            future = self.writer.submit(self._hash_when_written, written, tmp)
             self.pending = (future, step, tmp, meta)
             self._log(f"step {step} staged in {time.perf_counter() - t0:.2f} s, writing in the background")
             return
+        if not model_only and os.environ.get(SLOW_SAVE):
+            time.sleep(float(os.environ[SLOW_SAVE]))
         with store.single_process_quiet():
             dcp.save(sd, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
         _test_kill(KILL_DURING_SAVE, step)
-        _barrier()  # every rank's files are written
+        crcs = self._gather_checksums(tmp, group=None)  # every rank's files are written and hashed
         if self.rank == 0:
-            self._publish(step, tmp, meta, f"{time.perf_counter() - t0:.2f} s")
+            self._publish(step, tmp, dict(meta, crcs=crcs), f"{time.perf_counter() - t0:.2f} s")
         if os.environ.get(KILL_AFTER_SAVE) == str(step):
             _barrier()  # published before anyone dies
             _test_kill(KILL_AFTER_SAVE, step)
 
+    def _hash_when_written(self, written, tmp: Path) -> dict | None:
+        """Background thread: wait for DCP's write, then hash this rank's files (gathered on rank 0
+        over the async group, which only this thread uses while a save is in flight)."""
+        written.result()
+        return self._gather_checksums(tmp, group=self.async_group)
+
+    def _gather_checksums(self, tmp: Path, group) -> dict | None:
+        """Each rank hashes the files it wrote; rank 0 gets {file: crc32} of all of them, others None."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        mine = store.checksums(tmp, store.owned_files(tmp, self.rank, world))
+        if world == 1:
+            return mine
+        parts = [None] * world if self.rank == 0 else None
+        dist.gather_object(mine, parts, dst=0, group=group)
+        return {name: crc for part in parts for name, crc in part.items()} if self.rank == 0 else None
+
     def _publish(self, step: int, tmp: Path, meta: dict, how: str) -> None:
-        """Rank 0: marker, atomic rename, pruning."""
-        store.write_marker(tmp, meta)
+        """Rank 0: marker (checksums, run id, publication number), atomic rename, pruning."""
+        meta = dict(meta)
+        crcs = meta.pop("crcs")
+        meta.update(run_id=self.run_id, published=store.next_publication(self.folder))
+        store.write_marker(tmp, meta, crcs)
         final = self.folder / store.step_name(step)
         store.publish(tmp, final)
+        if not meta["model_only"]:
+            self.last_good = (step, final)
         removed = store.prune(self.folder, self.c.keep_last)
         pruned = f", removed {', '.join(p.name for p in removed)}" if removed else ""
         self._log(f"saved {final} ({how}){pruned}")
@@ -295,11 +377,11 @@ class CheckpointManager:
     def _finish(self, future, step: int, tmp: Path, meta: dict, waited: float = 0.0) -> None:
         self.pending = None
         try:
-            future.result()
-        except Exception as e:
+            crcs = future.result()
+        except (Exception, CheckpointException) as e:
             raise CheckpointError(f"the background save of step {step} to {tmp} failed: {e}") from e
         if self.rank == 0:
-            self._publish(step, tmp, meta, f"written in the background, waited {waited:.2f} s")
+            self._publish(step, tmp, dict(meta, crcs=crcs), f"written in the background, waited {waited:.2f} s")
 
     def _export_hf(self, step: int) -> None:
         # Every rank writes its share of the layers (hf_sharded.py); rank 0 the index and config.
@@ -310,7 +392,22 @@ class CheckpointManager:
         )
         self._log(f"exported {out} ({self.c.export_dtype}, Hugging Face safetensors)")
 
+    def last_good_note(self) -> str:
+        """Where the run's last finite state is, for the divergence message (rank 0 knows)."""
+        if not self.c.enable:
+            return "No checkpoint is kept (checkpoint.enable = false)."
+        if self.last_good is None:
+            return "Nothing non-finite was checkpointed; no checkpoint of this run exists yet."
+        step, path = self.last_good
+        return (
+            f"Nothing non-finite was checkpointed: the last good checkpoint is {path} (step {step}), which the same "
+            "command resumes from (with the optimizer.lr and schedule it is given)."
+        )
+
     def close(self) -> None:
         """At the end of a run: wait for the save in flight and publish it."""
         self._wait()
+        if self.writer is not None:
+            self.writer.shutdown()
+            self.writer = None
         _barrier()

@@ -4,9 +4,15 @@
     <folder>/step-000015.tmp-<run id>/ a save in progress, or one whose process died
 
 A save writes into the temporary folder; when every rank has finished, rank 0 writes `.complete`
-(the step, the layout, and the size of every file) and renames the folder to `step-NNNNNN`. A
-rename is atomic, so a `step-*` folder without a `.tmp-` suffix is either whole or was damaged
-afterwards, which `check` finds by comparing the files with the marker before anything loads.
+(the step, the layout, the size and CRC-32 of every file, the run id and a publication number)
+and renames the folder to `step-NNNNNN`. A rename is atomic, so a `step-*` folder without a
+`.tmp-` suffix is either whole or was damaged afterwards: `check` compares the files' sizes with
+the marker, `verify_checksums` their bytes (each rank hashes the files it wrote, and on load a
+share of them, so no rank reads the whole checkpoint alone).
+
+"Newest" means most recently published, not highest step: after a run resumed an older step
+(`load_step`), its checkpoints win over the abandoned timeline's higher steps, for resuming and
+for pruning.
 
 Plain filesystem code, no collectives: the manager decides on rank 0 and broadcasts.
 """
@@ -17,6 +23,7 @@ import os
 import re
 import shutil
 import warnings
+import zlib
 from pathlib import Path
 
 from ..config import ConfigError
@@ -25,6 +32,9 @@ MARKER = ".complete"
 DCP_METADATA = ".metadata"
 _STEP = re.compile(r"step-(\d+)")
 _TMP = re.compile(r"step-(\d+)\.tmp-([0-9a-f]+)")
+# Files a rank writes itself: DCP's data files __<rank>_<n>.distcp and the RNG file rng-rank<rank>.pt.
+_RANK_FILE = re.compile(r"__(\d+)_.*|rng-rank(\d+)\.pt")
+_CHUNK = 8 << 20
 
 
 class CheckpointError(ConfigError):
@@ -73,12 +83,58 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_marker(path: Path, meta: dict) -> None:
-    """Record every file of the checkpoint with its size, then the marker itself (last, durably)."""
-    files = {
-        str(f.relative_to(path)): f.stat().st_size for f in sorted(path.rglob("*")) if f.is_file() and f.name != MARKER
-    }
+def _file_names(path: Path) -> list[str]:
+    return [str(f.relative_to(path)) for f in sorted(path.rglob("*")) if f.is_file() and f.name != MARKER]
+
+
+def owned_files(path: Path, rank: int, world_size: int) -> list[str]:
+    """The files of a written checkpoint that `rank` hashes: those it wrote; rank 0 also the rest."""
+    owned = []
+    for name in _file_names(path):
+        match = _RANK_FILE.fullmatch(name)
+        owner = int(match.group(1) or match.group(2)) if match else 0
+        if (owner if owner < world_size else 0) == rank:
+            owned.append(name)
+    return owned
+
+
+def crc32(file: Path) -> str:
+    """CRC-32 of a file, streamed (zlib releases the GIL: ~4 GB/s, fine on a background thread)."""
+    value = 0
+    with open(file, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            value = zlib.crc32(chunk, value)
+    return f"{value:08x}"
+
+
+def checksums(path: Path, names: list[str]) -> dict[str, str]:
+    return {name: crc32(path / name) for name in names}
+
+
+def verify_checksums(path: Path, meta: dict, names: list[str] | None = None) -> str | None:
+    """The first of `names` (default: all recorded) whose bytes differ from the save's, as a
+    one-line problem, or None. Checkpoints from before checksums were recorded pass."""
+    recorded = meta.get("checksums") or {}
+    for name in recorded if names is None else names:
+        file = path / name
+        if not file.is_file():
+            return f"checkpoint {path} is corrupt: {name} is missing"
+        actual = crc32(file)
+        if actual != recorded[name]:
+            return f"checkpoint {path} is corrupt: {name} does not match its checksum (crc32 {actual}, saved {recorded[name]})"
+    return None
+
+
+def write_marker(path: Path, meta: dict, crcs: dict[str, str] | None = None) -> None:
+    """Record every file of the checkpoint with its size (and checksum), then the marker itself
+    (last, durably)."""
+    files = {name: (path / name).stat().st_size for name in _file_names(path)}
     body = dict(meta, files=files)
+    if crcs is not None:
+        missing = sorted(files.keys() - crcs.keys())
+        if missing:
+            raise CheckpointError(f"checkpoint {path}: no checksum was computed for {', '.join(missing[:3])}")
+        body["checksums"] = {name: crcs[name] for name in files}
     tmp = path / (MARKER + ".tmp")
     with open(tmp, "w") as f:
         json.dump(body, f, indent=1)
@@ -140,14 +196,45 @@ def check(path: Path) -> dict:
     return meta
 
 
-def newest_complete(folder: Path) -> tuple[Path | None, dict | None, list[str]]:
-    """The newest checkpoint that passes `check` (or None), and a warning per newer one skipped."""
+# Folders whose marker is missing or unreadable sort as the newest: they are looked at (and
+# skipped with a warning) first, as they were when "newest" meant the highest step.
+_UNREADABLE = 2**62
+
+
+def _publication_key(step: int, path: Path) -> tuple[int, int]:
+    """Order of publication: the marker's number; markers without one (saves from before it was
+    recorded) come before every numbered one, by step."""
+    try:
+        published = json.loads((path / MARKER).read_text()).get("published", -1)
+        return (published if isinstance(published, int) else -1), step
+    except (OSError, ValueError, AttributeError):
+        return _UNREADABLE, step
+
+
+def by_publication(folder: Path) -> list[Path]:
+    """Every `step-N` folder, the most recently published last."""
+    return [path for _, path in sorted((_publication_key(step, path), path) for step, path in checkpoints(folder))]
+
+
+def next_publication(folder: Path) -> int:
+    """The publication number of the next checkpoint published in `folder`."""
+    keys = (_publication_key(step, path)[0] for step, path in checkpoints(folder))
+    return 1 + max((key for key in keys if key != _UNREADABLE), default=0)
+
+
+def newest_complete(folder: Path, skip: set | None = None) -> tuple[Path | None, dict | None, list[str]]:
+    """The most recently published checkpoint that passes `check` (or None), and a warning per
+    newer one skipped. Paths in `skip` are passed over silently; failing ones are added to it."""
     warnings = []
-    for _, path in reversed(checkpoints(folder)):
+    skip = set() if skip is None else skip
+    for path in reversed(by_publication(folder)):
+        if str(path) in skip:
+            continue
         try:
             return path, check(path), warnings
         except CheckpointError as e:
             warnings.append(f"skipping {e}")
+            skip.add(str(path))
     return None, None, warnings
 
 
@@ -165,10 +252,10 @@ def publish(tmp: Path, final: Path) -> None:
 
 
 def prune(folder: Path, keep_last: int) -> list[Path]:
-    """Delete complete checkpoints older than the newest `keep_last` (0 keeps all); return them."""
+    """Delete complete checkpoints published before the newest `keep_last` (0 keeps all); return them."""
     if keep_last <= 0:
         return []
-    complete = [path for _, path in checkpoints(folder) if (path / MARKER).is_file()]
+    complete = [path for path in by_publication(folder) if (path / MARKER).is_file()]
     removed = complete[:-keep_last]
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,390 @@
+"""The fault matrix of issue 13 against `plait-train`, in real subprocesses with real signals.
+
+    python benchmarks/reliability.py            # or: nox -s reliability   (5-10 min on 2 CPU cores)
+
+Each row injects one fault into a short run of the Llama 3 debug model (fp32, deterministic, 2
+sequences of 64 tokens per step, warmup 2 then a constant lr, so the schedule does not depend on
+training.steps and runs of any length share their first steps), then prints: the exit code(s),
+the checkpoints left, whether the run resumed afterwards (or the run that survived the fault)
+has the same per-step losses as an uninterrupted run (`==`), and whether every good state
+survived. The script exits 1 if any row lost a good state.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+# fmt: off
+COMMON = [
+    "--training.seq_len", "64",
+    "--training.local_batch_size", "2",
+    "--training.dtype", "float32",
+    "--training.deterministic", "true",
+    "--lr_scheduler.warmup_steps", "2",
+    "--lr_scheduler.decay", "none",
+    "--optimizer.lr", "3e-3",
+    "--metrics.cpu_peak_tflops", "0.1",
+    "--metrics.tensorboard", "false",
+    "--metrics.progress_bar", "false",
+    "--checkpoint.enable", "true",
+]
+TWO_RANKS = ["--nproc-per-node", "2", "--training.local_batch_size", "1"]
+# fmt: on
+ENV = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="lo")
+
+
+@dataclass
+class Row:
+    fault: str
+    exit_codes: str
+    checkpoints: str
+    resumed_equal: str
+    good_state_kept: bool
+
+
+def command(dump: Path, *args: str, launcher: list[str] | None = None) -> list[str]:
+    launcher = launcher or [sys.executable, "-m", "plait.trainer"]
+    return [*launcher, *COMMON, "--job.dump_folder", str(dump), *args]
+
+
+def cli(dump: Path, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(command(dump, *args), capture_output=True, text=True, timeout=timeout, env={**ENV, **(env or {})})
+
+
+def start(dump: Path, *args: str, launcher: list[str] | None = None, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(command(dump, "--training.steps", "100000", "--metrics.log_freq", "1", *args, launcher=launcher),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**ENV, **(env or {})})  # fmt: skip
+
+
+def wait_for_step(proc: subprocess.Popen, step: int, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith(f"step {step:>6}"):
+            return
+        if not line and proc.poll() is not None:
+            raise RuntimeError(f"run ended ({proc.returncode}) before step {step}: {proc.stderr.read()[-1500:]}")
+    raise RuntimeError(f"no step {step} within {timeout} s")
+
+
+def steps(dump: Path) -> list[int]:
+    folder = dump / "checkpoints"
+    return sorted(int(p.name[5:]) for p in folder.glob("step-*") if (p / ".complete").is_file())
+
+
+def unpublished_but_named(dump: Path) -> list[Path]:
+    """`step-N` folders (not `.tmp-`) without a marker: a half-written save posing as a checkpoint."""
+    folder = dump / "checkpoints"
+    return [p for p in folder.glob("step-*") if ".tmp-" not in p.name and not (p / ".complete").is_file()]
+
+
+def marker(dump: Path, step: int) -> dict:
+    return json.loads((dump / "checkpoints" / f"step-{step:06d}" / ".complete").read_text())
+
+
+def losses(dump: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row["loss"] for row in rows}
+
+
+def equal(dump: Path, reference: dict[int, float], from_step: int, to_step: int) -> str:
+    got = losses(dump)
+    same = all(got.get(s) == reference.get(s) for s in range(from_step, to_step + 1))
+    return f"{'yes' if same else 'NO'} (steps {from_step}-{to_step})"
+
+
+def flip(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    for i in range(len(data) // 2, len(data) // 2 + 16):
+        data[i] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+def first_error(result: subprocess.CompletedProcess, after: str = "error: ") -> str:
+    """The error line's text from `after` on."""
+    lines = [line for line in result.stderr.splitlines() if "error:" in line]
+    return lines[0].split(after, 1)[-1] if lines else ""
+
+
+def exit_status(dump: Path) -> str:
+    """What the run wrote to <dump>/exit_status (torchrun's own exit code hides a rank's 75)."""
+    file = dump / "exit_status"
+    return file.read_text().strip() if file.is_file() else "-"
+
+
+def children(pid: int) -> list[int]:
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+class Matrix:
+    def __init__(self, root: Path):
+        self.root = root
+        self.rows: list[Row] = []
+        # Uninterrupted references: 1 rank and 2 ranks (FSDP), 12 steps, a checkpoint every 4.
+        self.ref1 = self.fresh("ref1")
+        self.check(cli(self.ref1, "--training.steps", "12", "--checkpoint.interval", "4"), 0)
+        self.ref2 = self.fresh("ref2")
+        self.check(cli(self.ref2, *TWO_RANKS, "--training.steps", "12", "--checkpoint.interval", "4"), 0)
+        self.losses1, self.losses2 = losses(self.ref1), losses(self.ref2)
+
+    def fresh(self, name: str, copy_of: Path | None = None) -> Path:
+        dump = self.root / name
+        if copy_of is not None:
+            shutil.copytree(copy_of, dump)
+        return dump
+
+    @staticmethod
+    def check(result: subprocess.CompletedProcess, expected: int) -> subprocess.CompletedProcess:
+        if result.returncode != expected:
+            raise RuntimeError(f"exit {result.returncode}, expected {expected}: {result.stderr[-1500:]}")
+        return result
+
+    def add(self, *row) -> None:
+        self.rows.append(Row(*row))
+        print(f"  {row[0]}: exit {row[1]}", flush=True)
+
+    # ---- data loss ----------------------------------------------------------------------------
+
+    def nan(self) -> None:
+        dump = self.fresh("nan")
+        diverged = cli(dump, "--training.steps", "20", "--optimizer.lr", "1e6", "--lr_scheduler.warmup_steps", "20000",
+                       "--metrics.log_freq", "20", "--checkpoint.interval", "2", "--checkpoint.keep_last", "2")  # fmt: skip
+        first = losses(dump)
+        kept = steps(dump)
+        resumed = cli(dump, "--training.steps", "5", "--optimizer.lr", "1e-3", "--lr_scheduler.warmup_steps", "20000")
+        same = "yes" if losses(dump).get(5) == first.get(5) else "NO"
+        self.add(
+            "NaN from step 5 (lr 1e6, save every 2, keep_last 2)",
+            f"{diverged.returncode}, resume {resumed.returncode}",
+            f"{kept} (finite only); error names step-000004",
+            f"{same} (step 5 from step 4's weights)",
+            kept == [2, 4] and "step-000004 (step 4)" in diverged.stderr and "resuming from" in resumed.stdout,
+        )
+
+    def timeline(self) -> None:
+        base = self.fresh("timeline")
+        self.check(cli(base, "--training.steps", "12", "--checkpoint.interval", "4", "--checkpoint.keep_last", "2"), 0)
+        branch = ["--training.steps", "12", "--checkpoint.interval", "2", "--checkpoint.keep_last", "2",
+                  "--optimizer.lr", "1e-3"]  # fmt: skip
+        straight = self.fresh("timeline_straight", copy_of=base)
+        self.check(cli(straight, *branch, "--checkpoint.load_step", "8"), 0)
+        killed = cli(base, *branch, "--checkpoint.load_step", "8", env={"PLAIT_TEST_KILL_AFTER_SAVE": "10"})
+        after_kill = steps(base)
+        resumed = self.check(cli(base, *branch), 0)
+        picked = "step-000010 (step 10" in resumed.stdout
+        self.add(
+            "load_step 8 + keep_last 2, SIGKILL after its step-10 save",
+            f"{killed.returncode}, resume {resumed.returncode}",
+            f"{after_kill} -> resumed this run's 10, not the old 12",
+            equal(base, losses(straight), 11, 12),
+            after_kill == [10, 12] and picked,
+        )
+
+    def lock(self) -> None:
+        dump = self.fresh("lock")
+        first = start(dump)
+        try:
+            wait_for_step(first, 2)
+            t0 = time.monotonic()
+            second = cli(dump, "--training.steps", "4")
+            second_s = time.monotonic() - t0
+            launched = cli(dump, *TWO_RANKS, "--training.steps", "4")
+            first.send_signal(signal.SIGTERM)
+            first.communicate(timeout=120)
+        finally:
+            first.kill()
+        stop = steps(dump)
+        trained = max(losses(dump))
+        ok = second.returncode == launched.returncode == 2 and "in use by another run" in second.stderr
+        self.add(
+            "a second run (1 rank, then 2 ranks) on a running dump folder",
+            f"{second.returncode} in {second_s:.0f} s, {launched.returncode}; first {first.returncode}",
+            f"{stop} (the first run's SIGTERM save)",
+            equal(dump, self.losses1, 1, min(12, trained)) + ", first run undisturbed",
+            ok and len(stop) == 1,
+        )
+
+    def corrupt(self, name: str, file: str, explicit: bool) -> None:
+        dump = self.fresh(name, copy_of=self.ref1)
+        (dump / "metrics.jsonl").write_text("")
+        flip(dump / "checkpoints" / "step-000012" / file)
+        args = ["--training.steps", "12", "--checkpoint.interval", "4"]
+        if explicit:
+            result = cli(dump, *args, "--checkpoint.load_step", "12")
+            self.add(
+                f"bytes flipped in {file}, load_step 12 asked for",
+                str(result.returncode),
+                f"{steps(dump)} untouched: '...{first_error(result, 'is corrupt: ')[:60]}'",
+                "n/a (refused, one line)",
+                result.returncode == 2 and "does not match its checksum" in result.stderr
+                and "Traceback" not in result.stderr and steps(dump) == [4, 8, 12],
+            )
+            return
+        result = cli(dump, *args)
+        self.add(
+            f"bytes flipped in {file} of the newest, auto-resume",
+            str(result.returncode),
+            f"{steps(dump)}: warned, resumed step 8, step 12 saved again",
+            equal(dump, self.losses1, 9, 12),
+            result.returncode == 0 and "step-000008 (step 8" in result.stdout and "skipping checkpoint" in result.stdout,
+        )
+
+    # ---- stops --------------------------------------------------------------------------------
+
+    def sigterm(self, name: str, layout: list[str], launcher: list[str] | None, reference: dict,
+                resume_layout: list[str]) -> None:  # fmt: skip
+        dump = self.fresh(name)
+        proc = start(dump, *layout, "--job.stop_grace_s", "120", launcher=launcher)
+        try:
+            wait_for_step(proc, 2)
+            proc.send_signal(signal.SIGTERM)
+            proc.communicate(timeout=200)
+        finally:
+            proc.kill()
+        stop = steps(dump)
+        status = exit_status(dump)
+        saved_at_stop = len(stop) == 1 and stop[0] == max(losses(dump))
+        resumed = cli(dump, *resume_layout, "--training.steps", "12") if saved_at_stop and stop[0] < 12 else None
+        same = equal(dump, reference, stop[0] + 1, 12) if resumed is not None else "n/a (no save, or after step 12)"
+        who = "torchrun --nproc-per-node 2" if launcher else ("plait-train --nproc-per-node 2" if layout else "1 process")
+        self.add(
+            f"SIGTERM to {who}",
+            f"{proc.returncode} (exit_status {status}), resume {resumed.returncode if resumed else '-'}",
+            f"{stop} (saved at the stop step)",
+            same,
+            saved_at_stop and status == "75" and (resumed is None or resumed.returncode == 0),
+        )
+
+    def sigterm_slow_save(self, grace_s: int, save_s: int) -> None:
+        """SIGTERM to the launcher while the final save takes `save_s`: it must fit in the grace."""
+        dump = self.fresh(f"grace{grace_s}")
+        proc = start(dump, *TWO_RANKS, "--job.stop_grace_s", str(grace_s), env={"PLAIT_TEST_SLOW_SAVE_S": str(save_s)})
+        try:
+            wait_for_step(proc, 2)
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            proc.communicate(timeout=grace_s + 120)
+            took = time.monotonic() - t0
+        finally:
+            proc.kill()
+        saved = steps(dump)
+        fits = grace_s > save_s
+        self.add(
+            f"SIGTERM to plait-train --nproc-per-node 2, a {save_s} s save, stop_grace_s {grace_s}",
+            f"{proc.returncode} after {took:.0f} s (exit_status {exit_status(dump)})",
+            f"{saved}" + (" (saved at the stop step)" if fits else " (ranks SIGKILLed mid-save: nothing half-published)"),
+            "n/a",
+            proc.returncode == 75 and bool(saved) == fits and not unpublished_but_named(dump),
+        )
+
+    def sigkill_launcher(self) -> None:
+        dump = self.fresh("sigkill")
+        proc = start(dump, *TWO_RANKS, "--checkpoint.interval", "2")
+        try:
+            wait_for_step(proc, 5)
+            ranks = children(proc.pid)
+            proc.kill()
+            proc.wait(timeout=30)
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 30 and not all(gone(pid) for pid in ranks):
+                time.sleep(0.1)
+            died_s = time.monotonic() - t0
+        finally:
+            for pid in ranks:
+                if not gone(pid):
+                    os.kill(pid, signal.SIGKILL)
+        orphans = [pid for pid in ranks if not gone(pid)]
+        kept = steps(dump)
+        resumed = cli(dump, *TWO_RANKS, "--training.steps", "12", "--checkpoint.interval", "2")
+        self.add(
+            "SIGKILL to plait-train --nproc-per-node 2",
+            f"-9, resume {resumed.returncode}",
+            f"{kept}; {len(ranks)} ranks gone in {died_s:.1f} s",
+            equal(dump, self.losses2, kept[-1] + 1, 12),
+            not orphans and len(ranks) == 2 and resumed.returncode == 0,
+        )
+
+    # ---- inputs -------------------------------------------------------------------------------
+
+    def refused(self, fault: str, *args: str) -> None:
+        dump = self.fresh(f"refused{len(self.rows)}")
+        t0 = time.monotonic()
+        result = cli(dump, "--training.steps", "4", *args)
+        self.add(
+            fault,
+            f"{result.returncode} in {time.monotonic() - t0:.0f} s",
+            f"none: '{first_error(result)[:70]}'",
+            "n/a (refused before training)",
+            result.returncode == 2 and "Traceback" not in result.stderr and not steps(dump),
+        )
+
+    def new_lr(self) -> None:
+        dump = self.fresh("new_lr", copy_of=self.ref1)
+        shutil.rmtree(dump / "checkpoints" / "step-000012")
+        result = cli(dump, "--training.steps", "16", "--optimizer.lr", "1e-3", "--metrics.log_freq", "4")
+        lrs = {row["step"]: row["lr"] for row in map(json.loads, (dump / "metrics.jsonl").read_text().splitlines())}
+        applied = all(lrs[s] == 1e-3 for s in range(9, 17))
+        self.add(
+            "resume step 8 with --optimizer.lr 1e-3 --training.steps 16",
+            str(result.returncode),
+            f"{steps(dump)}; lr 3e-3 -> 1e-3 printed",
+            f"{'yes' if applied else 'NO'} (steps 9-16 at lr 1e-3)",
+            result.returncode == 0 and "optimizer.lr 0.003 -> 0.001" in result.stdout and applied,
+        )
+
+
+def main() -> int:
+    root = Path(tempfile.mkdtemp(prefix="plait-reliability-"))
+    t0 = time.monotonic()
+    print(f"fault matrix in {root}", flush=True)
+    m = Matrix(root)
+    m.nan()
+    m.timeline()
+    m.lock()
+    m.corrupt("corrupt_data", "__0_0.distcp", explicit=False)
+    m.corrupt("corrupt_data_explicit", "__0_0.distcp", explicit=True)
+    m.corrupt("corrupt_rng", "rng-rank00000.pt", explicit=False)
+    m.corrupt("corrupt_metadata", ".metadata", explicit=False)
+    m.sigterm("sigterm1", [], None, m.losses1, [])
+    m.sigterm("sigterm2", TWO_RANKS, None, m.losses2, TWO_RANKS)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "--shutdown-timeout", "120", "-m", "plait.trainer"]  # fmt: skip
+    m.sigterm("sigterm_torchrun", ["--training.local_batch_size", "1"], torchrun, m.losses2, TWO_RANKS)
+    m.sigterm_slow_save(grace_s=60, save_s=20)
+    m.sigterm_slow_save(grace_s=5, save_s=20)  # what torch elastic's fixed 30 s did to larger saves
+    m.sigkill_launcher()
+    ro = root / "a_file"
+    ro.write_text("")
+    m.refused("dump folder is a file", "--job.dump_folder", str(ro / "run"))
+    m.refused("--optimizer.lr nan", "--optimizer.lr", "nan")
+    m.refused("--training.max_norm inf", "--training.max_norm", "inf")
+    m.new_lr()
+
+    print(f"\n{len(m.rows)} faults in {time.monotonic() - t0:.0f} s\n")
+    print("| fault | exit code | checkpoints after | resumed loss equal | good state kept |")
+    print("| --- | --- | --- | --- | --- |")
+    for r in m.rows:
+        print(f"| {r.fault} | {r.exit_codes} | {r.checkpoints} | {r.resumed_equal} | {'yes' if r.good_state_kept else 'NO'} |")
+    shutil.rmtree(root, ignore_errors=True)
+    return 0 if all(r.good_state_kept for r in m.rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

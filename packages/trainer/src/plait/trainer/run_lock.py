@@ -1,0 +1,125 @@
+"""One run per dump folder: an exclusive lock file `<job.dump_folder>/.plait-run.lock`.
+
+Two runs in one folder would delete each other's saves in progress, overwrite each other's
+checkpoints and tear lines of metrics.jsonl. The lock is a file created with O_EXCL (atomic on
+local and NFS v3+ filesystems) holding the owner's pid, host and process start time. A lock whose
+owner is gone (same host, pid dead or reused by another process) is stale: it is taken over with
+a warning. A lock held from another host cannot be checked from here: the error says so.
+
+Who takes it: `plait-train --nproc-per-node N` takes it before starting any rank and tells the
+ranks through PLAIT_RUN_LOCK; under torchrun (or one process) rank 0 takes it before any
+collective and the verdict is broadcast, so every rank fails the same way and none waits.
+"""
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from . import exit_codes
+from .config import ConfigError
+
+LOCK_NAME = ".plait-run.lock"
+# Set by the plait launcher for its ranks: the lock file it holds for them.
+HELD_BY_LAUNCHER = "PLAIT_RUN_LOCK"
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (Linux), to tell a reused pid apart."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # field 22, counted after the command name
+
+
+def _alive(pid: int, start: str | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, another user's
+    now = _start_time(pid)
+    if now is None:
+        return True
+    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    return state != "Z" and (start is None or now == start)
+
+
+class RunLock:
+    """The lock of one dump folder; `acquire` raises ConfigError (one line) if another run holds it."""
+
+    def __init__(self, dump_folder: str):
+        self.path = Path(dump_folder) / LOCK_NAME
+        self.owner = {"pid": os.getpid(), "host": socket.gethostname(), "start": _start_time(os.getpid())}
+        self.held = False
+
+    def acquire(self) -> str | None:
+        """Take the lock; return a warning when a stale lock was taken over, else None."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        warning = None
+        for _ in range(3):  # a stale lock removed by a concurrent starter: try again
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._read()
+                if holder is None:
+                    time.sleep(0.1)  # being written right now
+                    holder = self._read()
+                if holder is not None and not self._stale(holder):
+                    raise ConfigError(
+                        f"job.dump_folder = {str(self.path.parent)!r} is in use by another run (pid "
+                        f"{holder.get('pid')} on {holder.get('host')}, since {holder.get('since', '?')}): wait for "
+                        f"it or stop it, or use another job.dump_folder (if that run is gone, delete {self.path})."
+                    ) from None
+                warning = f"took over the stale lock {self.path} of a run that is gone ({holder})"
+                self.path.unlink(missing_ok=True)
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(dict(self.owner, since=time.strftime("%Y-%m-%dT%H:%M:%S")), f)
+            self.held = True
+            self._write_status(exit_codes.RUNNING)  # stays if this run is SIGKILLed
+            return warning
+        raise ConfigError(f"job.dump_folder: could not take the lock {self.path}; another run is starting there.")
+
+    def _read(self) -> dict | None:
+        try:
+            holder = json.loads(self.path.read_text())
+            return holder if isinstance(holder, dict) else {}
+        except FileNotFoundError:
+            return {"pid": None}  # released meanwhile: stale
+        except (OSError, ValueError):
+            return None
+
+    def _stale(self, holder: dict) -> bool:
+        pid = holder.get("pid")
+        if not isinstance(pid, int):
+            return True  # empty or damaged file: a run killed while writing it
+        if holder.get("host") != self.owner["host"]:
+            return False  # cannot look at another host's processes
+        if pid == os.getpid():
+            return True  # our own pid, reused (a requeued container starts at the same pids)
+        return not _alive(pid, holder.get("start"))
+
+    def _write_status(self, status: str) -> None:
+        tmp = self.path.parent / f".{exit_codes.STATUS_FILE}.tmp"
+        tmp.write_text(f"{status}\n")
+        os.replace(tmp, self.path.parent / exit_codes.STATUS_FILE)
+
+    def release(self, exit_code: int) -> None:
+        """Record the run's exit code in <dump_folder>/exit_status, then remove the lock if this
+        process still owns it."""
+        if not self.held:
+            return
+        self.held = False
+        try:
+            self._write_status(str(exit_code))
+        except OSError:
+            pass
+        try:
+            if json.loads(self.path.read_text()).get("pid") == self.owner["pid"]:
+                self.path.unlink()
+        except (OSError, ValueError):
+            pass
