@@ -40,10 +40,8 @@ plait's default from the 2 cores), 1-rank runs 2 threads.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
-import shutil
 import statistics
 import subprocess
 import sys
@@ -60,6 +58,7 @@ from bench_trainer_vs_torchtitan import (  # noqa: E402
     REPO,
     after_warmup,
     ensure_torchtitan_venv,
+    plait_records,
 )
 
 _TT_SYNCS = re.compile(r"\[tt-syncs\] dispatcher host transfers: (\d+) calls")
@@ -82,14 +81,9 @@ DEFAULT_RUNS = [name for name in RUNS if name != "torchtitan-1-passive"]
 
 def run_plait(args, workdir: Path, name: str) -> tuple[list[tuple[int, float]], list[dict]]:
     _, ranks, ep, capacity = RUNS[name]
-    dump = workdir / name
-    exe = shutil.which("plait-train")
-    cmd = [exe] if exe else [sys.executable, "-m", "plait.trainer"]
-    if ranks > 1:
-        cmd += ["--nproc-per-node", str(ranks)]
-    cmd += [
+    train_args = ["--nproc-per-node", str(ranks)] if ranks > 1 else []
+    train_args += [
         "--config", "deepseek_v3_debugmodel.toml",
-        "--job.dump_folder", str(dump),
         "--training.seq_len", str(args.seq_len),
         "--training.local_batch_size", str(args.batch),
         "--training.dtype", "bfloat16",
@@ -100,24 +94,11 @@ def run_plait(args, workdir: Path, name: str) -> tuple[list[tuple[int, float]], 
         "--metrics.tensorboard", "false",
     ]
     if ep > 1:
-        cmd += ["--parallelism.ep", str(ep)]
+        train_args += ["--parallelism.ep", str(ep)]
     if capacity:
-        cmd += ["--parallelism.expert_capacity_factor", str(capacity)]
-    log = workdir / f"{name}.log"
-    print(f"[bench] {name}: {' '.join(cmd)}", flush=True)
-    with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=workdir,
-                              env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    if proc.returncode != 0:
-        sys.exit(f"[bench] {name} failed (exit {proc.returncode}); last lines of {log}:\n"
-                 + "\n".join(log.read_text().splitlines()[-25:]))
-    steps, records = [], []
-    for line in (dump / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "tokens_per_second" in record:
-            steps.append((int(record["step"]), float(record["tokens_per_second"])))
-            records.append(record)
-    return steps, records
+        train_args += ["--parallelism.expert_capacity_factor", str(capacity)]
+    records = plait_records(train_args, workdir, name)
+    return [(int(r["step"]), float(r["tokens_per_second"])) for r in records], records
 
 
 def run_torchtitan(args, python: Path, workdir: Path, name: str) -> tuple[list[tuple[int, float]], int | None]:

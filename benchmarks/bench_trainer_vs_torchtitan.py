@@ -112,14 +112,27 @@ def run_torchtitan(args, python: Path, workdir: Path, compile: bool) -> list[tup
     return [(int(m.group(1)), float(m.group(2).replace(",", ""))) for m in _TT_STEP.finditer(text)]
 
 
-def run_plait(args, workdir: Path, compile: bool) -> list[tuple[int, float]]:
-    name = "plait-compile" if compile else "plait"
+def plait_records(train_args: list[str], workdir: Path, name: str) -> list[dict]:
+    """Run plait-train with `train_args` (dump folder `workdir/name`); its metrics.jsonl rows."""
     dump = workdir / name
     exe = shutil.which("plait-train")
     cmd = [exe] if exe else [sys.executable, "-m", "plait.trainer"]
-    cmd += [
+    cmd += ["--job.dump_folder", str(dump), *train_args]
+    log = workdir / f"{name}.log"
+    print(f"[bench] {name}: {' '.join(cmd)}\n[bench] log: {log}", flush=True)
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=workdir,
+                              env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    if proc.returncode != 0:
+        sys.exit(f"[bench] {name} failed (exit {proc.returncode}); last lines of {log}:\n"
+                 + "\n".join(log.read_text().splitlines()[-25:]))
+    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    return [row for row in rows if "tokens_per_second" in row]
+
+
+def run_plait(args, workdir: Path, compile: bool) -> list[tuple[int, float]]:
+    records = plait_records([
         "--config", "llama3_debugmodel.toml",
-        "--job.dump_folder", str(dump),
         "--training.seq_len", str(args.seq_len),
         "--training.local_batch_size", str(args.batch),
         "--training.dtype", args.dtype,
@@ -128,21 +141,8 @@ def run_plait(args, workdir: Path, compile: bool) -> list[tuple[int, float]]:
         "--training.compile", "true" if compile else "false",
         "--metrics.log_freq", "1",
         "--metrics.tensorboard", "false",
-    ]
-    log = workdir / f"{name}.log"
-    print(f"[bench] plait: {' '.join(cmd)}\n[bench] log: {log}", flush=True)
-    with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=workdir,
-                              env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    if proc.returncode != 0:
-        sys.exit(f"[bench] plait-train failed (exit {proc.returncode}); last lines of {log}:\n"
-                 + "\n".join(log.read_text().splitlines()[-25:]))
-    steps = []
-    for line in (dump / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "tokens_per_second" in record:
-            steps.append((int(record.get("step", len(steps) + 1)), float(record["tokens_per_second"])))
-    return steps
+    ], workdir, "plait-compile" if compile else "plait")
+    return [(int(r.get("step", i + 1)), float(r["tokens_per_second"])) for i, r in enumerate(records)]
 
 
 def after_warmup(name: str, steps: list[tuple[int, float]], warmup: int) -> list[float]:

@@ -73,6 +73,11 @@ def export(
     tmp = output.with_name(output.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     save_safetensors(spec.hf_adapter.to_hf(state_dict, args), tmp, dtype=dtype)
+    return publish_hf_folder(tmp, output, spec, args, dtype)
+
+
+def publish_hf_folder(tmp: Path, output: Path, spec, args, dtype: torch.dtype) -> Path:
+    """Write `config.json` into the finished `tmp` folder and move it to `output` in one rename."""
     config = spec.hf_adapter.hf_config(args)
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -18,7 +18,6 @@ the folder by renaming it. A rank holds at most its share of the model plus one 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from pathlib import Path
@@ -213,12 +212,7 @@ def export_hf_sharded(model: torch.nn.Module, output: str | Path, model_name: st
         total = sum(size for lst in listings for _, size in lst.values())
         (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total},
                                                   "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
-        config = spec.hf_adapter.hf_config(args)
-        config["torch_dtype"] = str(dtype).removeprefix("torch.")
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        if output.exists():
-            shutil.rmtree(output)
-        os.replace(tmp, output)
+        hf_export.publish_hf_folder(tmp, output, spec, args, dtype)
     _barrier()
     return output
 
