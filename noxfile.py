@@ -44,6 +44,8 @@ def _pytest(session: nox.Session, name: str, paths: list[str]) -> None:
     session.run(
         "python", "-m", "pytest", *paths, "-q", "-p", "no:cacheprovider",
         f"--junitxml={REPORTS / name}.xml", "-o", "junit_family=xunit2",
+        # Checkpoints of passed tests go at once (a suite writes several GB of them).
+        "-o", "tmp_path_retention_policy=failed",
         *session.posargs, env=env,
     )
 
