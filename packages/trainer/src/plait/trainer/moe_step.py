@@ -66,6 +66,15 @@ class MoEStep:
 
         update_moe_load_balance(self.model, self.coeff, reduce_counts=self._reduce_counts)
 
+    def _dropped(self) -> torch.Tensor | None:
+        """(token, expert) pairs the capacity mode dropped on this rank so far; None when dropless."""
+        drops = [d.dropped for d in self.dispatchers.values() if getattr(d, "dropped", None) is not None]
+        return torch.stack([d.reshape(()) for d in drops]).sum() if drops else None
+
+    def dropped_total(self) -> int | None:
+        total = self._dropped()
+        return None if total is None else int(total)
+
     def _host_syncs(self) -> int:
         return sum(d.host_syncs for d in self.dispatchers.values())
 
@@ -78,9 +87,8 @@ class MoEStep:
             syncs = self._host_syncs()
             metrics["moe_host_syncs"] = syncs - self._host_syncs_seen
             self._host_syncs_seen = syncs
-        drops = [d.dropped for d in self.dispatchers.values() if getattr(d, "dropped", None) is not None]
-        if drops:
-            total = torch.stack([d.reshape(()) for d in drops]).sum()
+        total = self._dropped()
+        if total is not None:
             seen = self._dropped_seen if self._dropped_seen is not None else torch.zeros_like(total)
             metrics["moe_dropped"] = total - seen
             self._dropped_seen = total

@@ -302,11 +302,6 @@ class Trainer:
             dist.all_reduce(totals, group=self.meshes.dp_cp.get_group())
         return (totals[0] / totals[1].clamp(min=1)).item()
 
-    def _dropped_tokens(self) -> int | None:
-        """(token, expert) pairs the capacity mode dropped on this rank, or None when dropless."""
-        counts = [d.dropped for d in (self.pm.dispatchers or {}).values() if getattr(d, "dropped", None) is not None]
-        return int(sum(int(c) for c in counts)) if counts else None
-
     # ---- the loop ---------------------------------------------------------------------------
 
     def _metrics(self) -> MetricsLogger:
@@ -433,7 +428,7 @@ class Trainer:
                     metrics.flush()
             metrics.close()
             stop.restore()
-        dropped = self._dropped_tokens()
+        dropped = self.moe.dropped_total() if self.moe is not None else None
         if self.rank == 0 and dropped is not None:
             print(f"plait-train: expert capacity dropped {dropped} (token, expert) pairs on rank 0.", flush=True)
         if self.rank == 0 and first_loss is None:
