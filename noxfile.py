@@ -3,6 +3,8 @@
     nox -t test        every test session, then one summary line over all of them
     nox -s train       the default training run (Llama 3 debug model on the shipped corpus)
     nox -s mesh        one package's tests in a venv holding only it and what it declares
+    nox -s bench       the benchmark suite against torchtitan 0.3.0 (appends to benchmarks/RESULTS.md)
+    nox -s parity_table  the last combos run's parity matrix into the README
     nox -s reliability the fault matrix against plait-train (kills, corruption, NaN, locks), one table
 
 Venvs are reused between runs (torch is installed once per venv, from the pinned wheel).
@@ -18,6 +20,7 @@ nox.options.error_on_missing_interpreters = False
 
 ROOT = pathlib.Path(__file__).parent
 REPORTS = ROOT / ".nox" / "reports"
+PARITY_REPORT = REPORTS / "parity_matrix.json"
 TORCH = "torch==2.13.0"  # always pinned: an unpinned torch pulls GBs of CUDA packages
 # Each package and the sibling packages it declares (installed from this checkout, not PyPI).
 PACKAGES = {
@@ -38,9 +41,9 @@ def _install(session: nox.Session, names: list[str], extras: str = "test") -> No
     session.install(*[f"./packages/{n}[{extras}]" if extras else f"./packages/{n}" for n in names])
 
 
-def _pytest(session: nox.Session, name: str, paths: list[str]) -> None:
+def _pytest(session: nox.Session, name: str, paths: list[str], env: dict | None = None) -> None:
     REPORTS.mkdir(parents=True, exist_ok=True)
-    env = {"OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+    env = {"OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0", **(env or {})}
     session.run(
         "python", "-m", "pytest", *paths, "-q", "-p", "no:cacheprovider",
         f"--junitxml={REPORTS / name}.xml", "-o", "junit_family=xunit2",
@@ -72,16 +75,26 @@ for _name in PACKAGES:
 
 @nox.session(tags=["test"])
 def combos(session: nox.Session) -> None:
-    """tests/: parallel packages combined with the models and each other."""
+    """tests/: parallel packages combined with the models and each other, and the parity matrix
+    (every layout vs one rank), whose report becomes the README's table (`nox -s parity_table`)."""
     _install(session, ALL)
-    _pytest(session, "combos", ["tests"])
+    PARITY_REPORT.unlink(missing_ok=True)
+    _pytest(session, "combos", ["tests"], env={"PLAIT_PARITY_REPORT": str(PARITY_REPORT)})
+    if PARITY_REPORT.exists():
+        session.run("python", "tools/parity_table.py", str(PARITY_REPORT))
+
+
+@nox.session(python=False)
+def parity_table(session: nox.Session) -> None:
+    """Put the last combos run's parity matrix in the README (refused unless complete, passing, committed)."""
+    session.run("python", "tools/parity_table.py", str(PARITY_REPORT), "--readme", "README.md")
 
 
 @nox.session(tags=["test", "lint"])
 def lint(session: nox.Session) -> None:
     """ruff over every package, the cross-package tests and this file."""
     session.install("ruff")
-    session.run("ruff", "check", "packages", "tests", "benchmarks", "noxfile.py")
+    session.run("ruff", "check", "packages", "tests", "benchmarks", "tools", "noxfile.py")
 
 
 @nox.session(python=False, tags=["test"])
@@ -109,9 +122,14 @@ def train(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """plait's tokens/s next to torchtitan's on the same CPU config (see benchmarks/)."""
+    """The benchmark suite (benchmarks/suite.py): plait vs torchtitan 0.3.0, profiles, scaling;
+    appends a dated section to benchmarks/RESULTS.md. Not part of the tests."""
     _install(session, ALL, extras="")
-    session.run("python", "benchmarks/bench_trainer_vs_torchtitan.py", *session.posargs)
+    # torchtitan next to the pinned torch (the constraint keeps pip from replacing it).
+    constraints = pathlib.Path(session.create_tmp()) / "torch.txt"
+    constraints.write_text(TORCH + "\n")
+    session.install("-c", str(constraints), "torchtitan==0.3.0")
+    session.run("python", "benchmarks/suite.py", *session.posargs)
 
 
 @nox.session

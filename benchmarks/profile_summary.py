@@ -1,0 +1,115 @@
+"""Where a training step's time goes, from one rank's torch.profiler Chrome trace.
+
+`plait-train --metrics.profile_interval N` writes `<dump>/profile/step{N}_rank{R}.json` (CPU
+activities). Events on each thread nest by time; an op's self time is its duration minus its
+children's. Every microsecond of the profiled step (`ProfilerStep#N`) is put in one category:
+
+  attention       scaled-dot-product / flash attention ops and everything they call
+  matmul          mm, addmm, bmm, grouped_mm, ... outside attention
+  elementwise     every other aten op (norms, activations, casts, copies, indexing, ...)
+  compiled        inductor-generated code (self time of compiled regions)
+  communication   c10d collectives and their waits on the training thread (= exposed comm)
+  optimizer       everything under Optimizer.step / zero_grad
+  python          time in the step that is inside no op: Python, hooks, the framework itself
+
+Collectives that run on another thread (gloo's worker) are summed separately as the total time
+the network was busy, so `exposed / total` says how much of it the step waited for.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+CATEGORIES = ("attention", "matmul", "elementwise", "compiled", "communication", "optimizer", "python")
+# Time spent in kernels (what a faster framework could not remove with these kernels; the optimizer
+# counted whole, which makes the bound conservative).
+KERNELS = ("attention", "matmul", "elementwise", "compiled", "optimizer")
+_MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm", "aten::addbmm",
+           "aten::_weight_int8pack_mm", "aten::_scaled_mm"}  # fmt: skip
+_COMM_WORDS = ("c10d::", "gloo:", "nccl:", "record_param_comms", "allreduce", "all_reduce", "allgather",
+               "all_gather", "reduce_scatter", "alltoall", "all_to_all", "broadcast", "wait_tensor", "c10d.")  # fmt: skip
+_ATTENTION_WORDS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
+_COMPILED_WORDS = ("CompiledFunction", "Torch-Compiled Region", "inductor", "triton_", "cpp_fused")
+
+
+def _is_comm(name: str) -> bool:
+    lowered = name.lower()
+    return any(word.lower() in lowered for word in _COMM_WORDS)
+
+
+def _category(name: str, ancestors: list[str]) -> str:
+    chain = [*ancestors, name]
+    if any(a.startswith(("Optimizer.step", "Optimizer.zero_grad")) for a in chain):
+        return "optimizer"
+    if any(_is_comm(a) for a in chain):
+        return "communication"
+    if any(word in a for a in chain for word in _ATTENTION_WORDS):
+        return "attention"
+    if name in _MATMUL:
+        return "matmul"
+    if any(word in name for word in _COMPILED_WORDS):
+        return "compiled"
+    if name.startswith("aten::") or name.startswith("prims::"):
+        return "elementwise"
+    return "python"  # user annotations (FSDP hooks, ProfilerStep itself): Python running between ops
+
+
+def summarize(trace_path: Path) -> dict:
+    """{"step_ms", "<category>_ms" for each category, "comm_total_ms", "top_ops": [(name, ms)]}."""
+    events = json.loads(Path(trace_path).read_text())["traceEvents"]
+    spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    steps = [e for e in spans if e["name"].startswith("ProfilerStep#")]
+    if not steps:
+        raise ValueError(f"{trace_path}: no ProfilerStep# span")
+    step = max(steps, key=lambda e: e["dur"])
+    main_tid = step["tid"]
+    begin, end = step["ts"], step["ts"] + step["dur"]
+    by_thread: dict = defaultdict(list)
+    for e in spans:
+        if e["ts"] >= begin and e["ts"] + e["dur"] <= end + 1:
+            by_thread[e["tid"]].append(e)
+    totals = dict.fromkeys(CATEGORIES, 0.0)
+    per_op: dict[str, float] = defaultdict(float)
+    comm_other_threads = 0.0
+    for tid, thread_events in by_thread.items():
+        thread_events.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack: list[dict] = []
+        self_time: dict[int, float] = {}
+        parents: dict[int, list[str]] = {}
+        for e in thread_events:
+            while stack and e["ts"] >= stack[-1]["ts"] + stack[-1]["dur"]:
+                stack.pop()
+            if stack:
+                self_time[id(stack[-1])] -= e["dur"]
+            parents[id(e)] = [s["name"] for s in stack]
+            self_time[id(e)] = float(e["dur"])
+            stack.append(e)
+        if tid != main_tid:
+            # Another thread: only collectives matter (time the network was busy, maybe hidden).
+            comm_other_threads += sum(
+                e["dur"] for e in thread_events if _is_comm(e["name"]) and not any(map(_is_comm, parents[id(e)]))
+            )
+            continue
+        for e in thread_events:
+            category = _category(e["name"], parents[id(e)])
+            totals[category] += self_time[id(e)]
+            if category != "python":
+                per_op[e["name"]] += self_time[id(e)]
+    summary = {"step_ms": step["dur"] / 1e3, **{f"{c}_ms": totals[c] / 1e3 for c in CATEGORIES}}
+    summary["comm_total_ms"] = max(comm_other_threads, totals["communication"]) / 1e3
+    summary["top_ops"] = sorted(((n, t / 1e3) for n, t in per_op.items()), key=lambda x: -x[1])[:6]
+    return summary
+
+
+def kernel_ms(summary: dict) -> float:
+    return sum(summary[f"{c}_ms"] for c in KERNELS)
+
+
+if __name__ == "__main__":
+    import sys
+
+    for path in sys.argv[1:]:
+        s = summarize(Path(path))
+        print(path, {k: (round(v, 1) if isinstance(v, float) else v) for k, v in s.items()})
