@@ -47,6 +47,36 @@ def test_grouped_mm_matches_loop(dtype, tol):
         torch.testing.assert_close(got.detach().float(), ref.detach().float(), atol=tol * scale, rtol=tol)
 
 
+def test_grouped_mm_under_autocast_computes_in_the_autocast_dtype():
+    """Autocast has no rule for grouped_mm: the experts cast like a matmul (bf16 out, fp32 grads)."""
+    counts = torch.tensor([5, 0, 9, 1, 0, 17])
+    x = torch.randn(int(counts.sum()), DIM)
+    experts = _experts(True)
+    y_ref, gx_ref, gw_ref = _run(_experts(True), x, counts)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, gx, gw = _run(experts, x, counts)
+    assert y.dtype == torch.bfloat16 and all(g.dtype == torch.float32 for g in gw)
+    for got, ref in [(y, y_ref), (gx, gx_ref), *zip(gw, gw_ref)]:
+        scale = float(ref.detach().abs().max())
+        torch.testing.assert_close(got.detach().float(), ref.detach(), atol=3e-2 * scale, rtol=3e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_experts_compile(dtype):
+    """torch.compile of the experts: bf16 in the graph; fp32 (which torch's fake-tensor rule for
+    grouped_mm refuses) runs the CPU kernel eagerly between graphs. Same values either way."""
+    counts = torch.tensor([5, 0, 9, 1, 0, 17])
+    x = torch.randn(int(counts.sum()), DIM, dtype=dtype)
+    experts = _experts(True).to(dtype)
+    y_ref, gx_ref, gw_ref = _run(experts, x, counts)
+    compiled = torch.compile(experts)
+    y, gx, gw = _run(compiled, x, counts)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(y, y_ref, atol=tol * float(y_ref.abs().max()), rtol=tol)
+    for got, ref in [(gx, gx_ref), *zip(gw, gw_ref)]:
+        torch.testing.assert_close(got, ref, atol=tol * float(ref.abs().max()), rtol=tol)
+
+
 def test_rows_past_the_groups_are_zero_and_get_no_gradient():
     counts = torch.tensor([3, 0, 4, 1, 0, 2])  # 10 rows used of 16
     x = torch.randn(16, DIM)

@@ -26,6 +26,19 @@ def _grouped_mm_ok(x: torch.Tensor, w1: torch.Tensor) -> bool:
     return (x.shape[-1] * itemsize) % 16 == 0 and (w1.shape[-1] * itemsize) % 16 == 0
 
 
+@torch.compiler.disable
+def _grouped_mm_outside_graph(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    if a.dtype != torch.bfloat16 and torch.compiler.is_compiling():
+        # torch's fake-tensor rule for grouped_mm admits bf16 only (the CUDA kernel's); the CPU
+        # kernel also runs fp32, so fp32 runs it eagerly, between two compiled graphs.
+        return _grouped_mm_outside_graph(a, b, offs)
+    return torch._grouped_mm(a, b, offs=offs)
+
+
 def run_experts_for_loop(
     w1_EDH: torch.Tensor,
     w2_EHD: torch.Tensor,
@@ -60,12 +73,16 @@ def run_experts_grouped_mm(
     # sync and keeps them out of autograd, matching the loop path.
     row_T = torch.arange(x_TD.shape[0], device=x_TD.device)
     valid_T1 = (row_T < offsets_E[-1])[:, None]
-    x_TD = torch.where(valid_T1, x_TD, 0.0)
     dtype = x_TD.dtype
+    device_type = x_TD.device.type
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        # Autocast has no rule for grouped_mm: cast its operands as it casts a matmul's.
+        dtype = torch.get_autocast_dtype(device_type)
+    x_TD = torch.where(valid_T1, x_TD, 0.0).to(dtype)
     w1, w2, w3 = w1_EDH.to(dtype), w2_EHD.to(dtype), w3_EDH.to(dtype)
-    h_TH = F.silu(torch._grouped_mm(x_TD, w1, offs=offsets_E))
-    h_TH = h_TH * torch._grouped_mm(x_TD, w3, offs=offsets_E)
-    y_TD = torch._grouped_mm(h_TH, w2, offs=offsets_E)
+    h_TH = F.silu(_grouped_mm(x_TD, w1, offsets_E))
+    h_TH = h_TH * _grouped_mm(x_TD, w3, offsets_E)
+    y_TD = _grouped_mm(h_TH, w2, offsets_E)
     return torch.where(valid_T1, y_TD, 0.0)
 
 
