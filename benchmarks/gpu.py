@@ -56,7 +56,7 @@ def run_plait(name: str, args, workdir: Path) -> dict:
            "--training.dtype", "bfloat16", "--training.compile", "true",
            "--training.activation_checkpoint", "selective", "--training.steps", str(args.steps),
            "--metrics.log_freq", "1", "--metrics.tensorboard", "false", "--checkpoint.enable", "false",
-           "--data.val_interval", "0"]  # fmt: skip
+           "--data.val_interval", "0", "--parallelism.ep", "1"]  # fmt: skip  (one GPU: no expert parallel)
     log = workdir / f"{name}.log"
     print(f"[gpu] {name}: {' '.join(cmd)}", flush=True)
     with open(log, "w") as f:
