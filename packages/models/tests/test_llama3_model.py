@@ -135,3 +135,29 @@ def test_sdpa_grouped_query_attention_equals_repeated_heads(dtype):
     ref2 = F.scaled_dot_product_attention(q2, k2.repeat_interleave(4, 1), v2.repeat_interleave(4, 1), is_causal=True)
     for got, want in zip(grads, torch.autograd.grad(ref2.sum(), (q2, k2, v2))):
         torch.testing.assert_close(got.float(), want, atol=5 * tol, rtol=5 * tol)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_narrower_values_attend_with_the_flash_kernel_in_bf16(autocast):
+    """MLA's v head dim (128) is below q/k's (192): in bf16 on CPU the module zero-pads v for the
+    flash kernel instead of SDPA's math path; the result equals the math path's, backward too."""
+    torch.manual_seed(0)
+    dtype = torch.float32 if autocast else torch.bfloat16
+    q, k = (torch.randn(2, 4, 32, 48, dtype=dtype, requires_grad=True) for _ in range(2))
+    v = torch.randn(2, 4, 32, 32, dtype=dtype, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), torch.profiler.profile() as prof:
+        out = ScaledDotProductAttention()(q, k, v)
+        out.float().square().sum().backward()
+    ops = {e.key for e in prof.key_averages()}
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops
+    assert "aten::_scaled_dot_product_attention_math" not in ops
+    assert out.shape == (2, 4, 32, 32) and out.dtype == torch.bfloat16
+    grads = [t.grad for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True)
+    ref.square().sum().backward()
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+    for got, want in zip(grads, (qf.grad, kf.grad, vf.grad)):
+        torch.testing.assert_close(got.float(), want, atol=5e-2 * float(want.abs().max()), rtol=5e-2)
