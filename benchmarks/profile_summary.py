@@ -8,7 +8,7 @@ children's. Every microsecond of the profiled step (`ProfilerStep#N`) is put in 
   matmul          mm, addmm, bmm, grouped_mm, ... outside attention
   elementwise     every other aten op (norms, activations, casts, copies, indexing, ...)
   compiled        inductor-generated code (self time of compiled regions)
-  communication   c10d collectives and their waits on the training thread (= exposed comm)
+  communication   c10d collectives and FSDP's waits for them on the training thread (exposed)
   optimizer       everything under Optimizer.step / zero_grad
   python          time in the step that is inside no op: Python, hooks, the framework itself
 
@@ -28,15 +28,16 @@ CATEGORIES = ("attention", "matmul", "elementwise", "compiled", "communication",
 KERNELS = ("attention", "matmul", "elementwise", "compiled", "optimizer")
 _MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm", "aten::addbmm",
            "aten::_weight_int8pack_mm", "aten::_scaled_mm"}  # fmt: skip
-_COMM_WORDS = ("c10d::", "gloo:", "nccl:", "record_param_comms", "allreduce", "all_reduce", "allgather",
-               "all_gather", "reduce_scatter", "alltoall", "all_to_all", "broadcast", "wait_tensor", "c10d.")  # fmt: skip
+# Collective ops (everything under them is the collective's own work).
+_COLLECTIVES = ("c10d::", "_c10d_functional::", "gloo:", "nccl:", "record_param_comms", "aten::wait_tensor")
+# FSDP's own spans around its collectives: their self time is launching and waiting for them.
+_FSDP_COMM_WORDS = ("all_gather", "reduce_scatter", "all_reduce", "_wait")
 _ATTENTION_WORDS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
 _COMPILED_WORDS = ("CompiledFunction", "Torch-Compiled Region", "inductor", "triton_", "cpp_fused")
 
 
 def _is_comm(name: str) -> bool:
-    lowered = name.lower()
-    return any(word.lower() in lowered for word in _COMM_WORDS)
+    return name.startswith(_COLLECTIVES)
 
 
 def _category(name: str, ancestors: list[str]) -> str:
@@ -44,6 +45,8 @@ def _category(name: str, ancestors: list[str]) -> str:
     if any(a.startswith(("Optimizer.step", "Optimizer.zero_grad")) for a in chain):
         return "optimizer"
     if any(_is_comm(a) for a in chain):
+        return "communication"
+    if name.startswith("FSDP::") and any(word in name for word in _FSDP_COMM_WORDS):
         return "communication"
     if any(word in a for a in chain for word in _ATTENTION_WORDS):
         return "attention"

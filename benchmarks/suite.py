@@ -39,6 +39,7 @@ import datetime
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -61,6 +62,7 @@ from bench_trainer_vs_torchtitan import (  # noqa: E402
 from profile_summary import CATEGORIES, kernel_ms, summarize  # noqa: E402
 
 TARGET = 1.5
+RUN_TIMEOUT_S = 1200  # one benchmark run, compile included
 # Peak RSS of the wrapped command's largest descendant (ru_maxrss: KiB on Linux).
 _WRAP = (
     "import resource, subprocess, sys; rc = subprocess.call(sys.argv[2:]); "
@@ -116,8 +118,16 @@ def _measured(cmd: list[str], env: dict, log: Path, cwd: Path) -> tuple[int, flo
     """Run `cmd` (stdout+stderr to `log`); its exit code and the peak RSS of its largest process (GiB)."""
     peak_file = log.with_suffix(".maxrss")
     with open(log, "w") as f:
-        rc = subprocess.run([sys.executable, "-c", _WRAP, str(peak_file), *cmd], stdout=f,
-                            stderr=subprocess.STDOUT, env=env, cwd=cwd).returncode  # fmt: skip
+        # Its own process group, so a run that hangs is killed with every rank it started.
+        proc = subprocess.Popen([sys.executable, "-c", _WRAP, str(peak_file), *cmd], stdout=f,
+                                stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)  # fmt: skip
+        try:
+            rc = proc.wait(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            f.write(f"\n[bench] killed: no exit within {RUN_TIMEOUT_S} s (Error: timeout)\n")
+            return 124, 0.0
     peak = int(peak_file.read_text()) / 2**20 if peak_file.exists() else 0.0
     return rc, peak
 
