@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from plait.mesh.testing import run_on_ranks
+from plait.trainer.testing import parity_args
 
 STEPS = 10
 GLOBAL_BATCH = 8
@@ -38,17 +39,7 @@ MOE_LAYERS = 2
 # MoE model trains chaotically: the 1-rank run itself amplifies a 1e-7 change to 1e-1 in 10 steps
 # through flipped top-k choices, so no layout could be compared; at 1e-3 it trains smoothly.)
 TOLERANCE = 1e-5
-COMMON = [
-    "--training.steps", str(STEPS),
-    "--training.seq_len", "64",
-    "--training.dtype", "float32",
-    "--training.deterministic", "true",
-    "--lr_scheduler.warmup_steps", "2",
-    "--optimizer.lr", "1e-3",
-    "--metrics.log_freq", str(STEPS),
-    "--metrics.tensorboard", "false",
-    "--metrics.cpu_peak_tflops", "0.1",
-]  # fmt: skip
+COMMON = [*parity_args(steps=STEPS, lr=1e-3), "--metrics.tensorboard", "false"]
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ def run_cli(
     return result
 
 
-def parity_args(steps: int = 4, seq_len: int = 64) -> list[str]:
+def parity_args(steps: int = 4, seq_len: int = 64, lr: float = 3e-3) -> list[str]:
     """CLI arguments for runs whose losses are compared step for step across layouts: fp32,
     deterministic, a short warmup, one metrics row per step at the end."""
     # fmt: off
@@ -41,7 +41,7 @@ def parity_args(steps: int = 4, seq_len: int = 64) -> list[str]:
         "--training.dtype", "float32",
         "--training.deterministic", "true",
         "--lr_scheduler.warmup_steps", "2",
-        "--optimizer.lr", "3e-3",
+        "--optimizer.lr", str(lr),
         "--metrics.log_freq", str(steps),
         "--metrics.cpu_peak_tflops", "0.1",
     ]
