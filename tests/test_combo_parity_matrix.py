@@ -129,6 +129,11 @@ def _test_id(layout: Layout, model: str) -> str:
     return f"{model}-{layout.ranks}-" + re.sub(r"[^a-z0-9]+", "_", layout.name.lower()).strip("_")
 
 
+def _reference_key(layout: Layout, model: str) -> tuple:
+    """The one-rank run a layout is compared with: same model, same model arguments."""
+    return model, tuple(sorted(layout.model_args.items()))
+
+
 def _train_each(rank: int, world_size: int, root: str, jobs: list[tuple[str, str, list[str]]]) -> dict:
     """On every rank: train each job in turn in this process; rank 0 returns each job's metrics rows."""
     from plait.trainer.cli import parse_args
@@ -153,8 +158,9 @@ def _train_each(rank: int, world_size: int, root: str, jobs: list[tuple[str, str
 
 def _run_world(ranks: int, root: Path) -> dict:
     jobs = [(_key(layout, model), model, layout.argv(model)) for layout, model in ENTRIES if layout.ranks == ranks]
-    if ranks == 1:  # the references: one rank, the whole global batch
-        jobs = [(model, model, Layout("one rank", 1).argv(model)) for model in MODELS]
+    if ranks == 1:  # the references: one rank, the whole global batch, each model setting once
+        keys = dict.fromkeys(_reference_key(layout, model) for layout, model in ENTRIES)
+        jobs = [(key, key[0], Layout("one rank", 1, model_args=dict(key[1])).argv(key[0])) for key in keys]
     # ~10 s per job at 8 ranks on 2 cores; bounded so a hang fails.
     return run_on_ranks(_train_each, ranks, str(root), jobs, timeout=120 + 40 * len(jobs) * ranks)[0]
 
@@ -206,7 +212,7 @@ def _report(entries: list[dict]) -> dict:
 
 @pytest.mark.parametrize("layout, model", ENTRIES, ids=[_test_id(lay, m) for lay, m in ENTRIES])
 def test_layout_matches_one_rank_for_ten_steps(layout, model, runs, report):
-    reference = runs(1)[model]
+    reference = runs(1)[_reference_key(layout, model)]
     rows = runs(layout.ranks)[_key(layout, model)]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     loss_diff = max(abs(r["loss"] - ref["loss"]) for r, ref in zip(rows, reference))
