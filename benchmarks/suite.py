@@ -188,11 +188,12 @@ def torchtitan_cmd(python: Path, config: Config, dump: Path, steps: int, compile
             "--dump_folder", str(dump), "--training.seq_len", str(config.seq),
             "--training.local_batch_size", str(config.batch), "--training.steps", str(steps),
             "--training.mixed_precision_param", "bfloat16", "--metrics.log_freq", "1"]  # fmt: skip
+    # The FSDP (+ EP) path that runs on gloo: torchtitan's default spmd_types backend stops in FSDP
+    # init on CPU (see torchtitan_cpu.py); no CUDA graph on CPU.
+    args += ["--parallelism.spmd_backend", "partial_dtensor",
+             "--parallelism.data_parallel_shard_degree", str(config.ranks)]  # fmt: skip
     if config.model == "deepseek_v3":
-        # The FSDP + EP path that runs on gloo (see torchtitan_cpu.py); no CUDA graph on CPU.
-        args += ["--training.disable_cuda_graphs", "--parallelism.spmd_backend", "partial_dtensor",
-                 "--parallelism.data_parallel_shard_degree", str(config.ranks),
-                 "--parallelism.expert_parallel_degree", str(config.ep)]  # fmt: skip
+        args += ["--training.disable_cuda_graphs", "--parallelism.expert_parallel_degree", str(config.ep)]
     if compile:
         args.append("--compile.enable")
     return [*args, "activation_checkpoint:none"]
