@@ -91,12 +91,13 @@ CONFIGS = {
     "deepseek-fsdp2": Config("deepseek_v3", 256, 4, ranks=2),
     "deepseek-ep2": Config("deepseek_v3", 256, 4, ranks=2, ep=2),
 }
+LONG = ("--model.max_seq_len", "4096")  # the debug flavor's RoPE table stops at 2048
 SCALING = {
     "llama3-fsdp2-gb8": Config("llama3", 512, 4, ranks=2, torchtitan=False),  # global batch 8, as llama3-1
     "llama3-tp2": Config("llama3", 512, 8, ranks=2, tp=2, torchtitan=False),
-    "llama3-seq4096-1": Config("llama3", 4096, 1, torchtitan=False),
-    "llama3-seq4096-cp2-allgather": Config("llama3", 4096, 1, ranks=2, cp=2, torchtitan=False),
-    "llama3-seq4096-cp2-ring": Config("llama3", 4096, 1, ranks=2, cp=2, cp_method="ring", torchtitan=False),
+    "llama3-seq4096-1": Config("llama3", 4096, 1, torchtitan=False, extra=LONG),
+    "llama3-seq4096-cp2-allgather": Config("llama3", 4096, 1, ranks=2, cp=2, torchtitan=False, extra=LONG),
+    "llama3-seq4096-cp2-ring": Config("llama3", 4096, 1, ranks=2, cp=2, cp_method="ring", torchtitan=False, extra=LONG),
 }
 ALL = {**CONFIGS, **SCALING}
 

@@ -17,7 +17,9 @@ def _local(w: torch.Tensor) -> torch.Tensor:
     # Expert parallel shards the weights as DTensors; token counts are data-dependent, which a
     # DTensor cannot express, so compute on the local shard. Duck-typed because a model must not
     # import torch.distributed.
-    return w.to_local() if hasattr(w, "to_local") else w
+    # (The class is asked, not the instance: under torch.compile the instance check on an FSDP
+    # parameter answered False and grouped_mm received the DTensor.)
+    return w.to_local() if hasattr(type(w), "to_local") else w
 
 
 def _grouped_mm_ok(x: torch.Tensor, w1: torch.Tensor) -> bool:
