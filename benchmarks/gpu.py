@@ -29,6 +29,7 @@ import datetime
 import importlib.util
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -97,8 +98,8 @@ def run_torchtitan(name: str, args, workdir: Path) -> dict:
     if rc != 0:
         return {"error": f"exit {rc}: {text.splitlines()[-1] if text else ''}"[:200]}
     tps = [float(m.group(2).replace(",", "")) for m in _TT_STEP.finditer(text) if int(m.group(1)) > args.warmup]
-    mfu = [float(x) for x in __import__("re").findall(r"mfu:\s*([\d.]+)%", text)[args.warmup:]]
-    mem = [float(x) for x in __import__("re").findall(r"memory:\s*([\d.]+)GiB", text)]
+    mfu = [float(x) for x in re.findall(r"mfu:\s*([\d.]+)%", text)[args.warmup:]]
+    mem = [float(x) for x in re.findall(r"memory:\s*([\d.]+)GiB", text)]
     return {
         "tokens_per_second": statistics.median(tps) if tps else float("nan"),
         "mfu": statistics.median(mfu) / 100 if mfu else float("nan"),

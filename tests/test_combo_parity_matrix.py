@@ -14,12 +14,13 @@ import json
 import os
 import re
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import pytest
 import torch
 
+from plait.mesh import ParallelDims
 from plait.mesh.testing import run_on_ranks
 from plait.trainer.testing import parity_args
 
@@ -52,16 +53,10 @@ class Layout:
     model_args: dict = field(default_factory=dict)
     tolerance: float = TOLERANCE
 
-    def dp(self) -> int:
-        p = self.parallelism
-        shard = p.get("dp_shard", -1)
-        if shard == -1:
-            shard = self.ranks // (p.get("dp_replicate", 1) * p.get("cp", 1) * p.get("tp", 1))
-        return p.get("dp_replicate", 1) * shard
-
     def argv(self, model: str) -> list[str]:
-        accumulation = self.training.get("gradient_accumulation_steps", 1)
-        local_batch = GLOBAL_BATCH // (self.dp() * accumulation)
+        degrees = {k: v for k, v in self.parallelism.items() if k in {f.name for f in fields(ParallelDims)}}
+        dp = ParallelDims(world_size=self.ranks, **degrees).dp
+        local_batch = GLOBAL_BATCH // (dp * self.training.get("gradient_accumulation_steps", 1))
         args = [*COMMON, "--model.name", model, "--model.flavor", "debugmodel", *MODEL_ARGS[model],
                 "--training.local_batch_size", str(local_batch)]  # fmt: skip
         for section, values in (("parallelism", self.parallelism), ("training", self.training),
