@@ -27,7 +27,7 @@ training.deterministic training.compile training.activation_checkpoint
 training.activation_checkpoint_every training.max_norm parallelism.dp_replicate parallelism.dp_shard
 parallelism.cp parallelism.cp_method parallelism.tp parallelism.sequence_parallel
 parallelism.loss_parallel parallelism.async_tp parallelism.ep parallelism.etp
-parallelism.replicate_impl parallelism.reshard_after_forward optimizer.name optimizer.lr
+parallelism.replicate_impl parallelism.reshard_after_forward parallelism.fsdp_prefetch optimizer.name optimizer.lr
 optimizer.weight_decay optimizer.betas optimizer.eps optimizer.implementation
 lr_scheduler.warmup_steps lr_scheduler.decay lr_scheduler.decay_ratio lr_scheduler.min_lr_ratio
 checkpoint.folder checkpoint.interval checkpoint.keep_last metrics.log_freq metrics.tensorboard
@@ -144,3 +144,18 @@ def test_print_config_with_no_arguments_is_the_debug_model(capsys):
 def test_missing_config_file(capsys):
     assert main(["--config", "/nonexistent/x.toml"]) == 2
     assert "config file not found: /nonexistent/x.toml" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "overrides, explicit",
+    [
+        ((), False),
+        ((("parallelism.ep", "2"),), True),
+        ((("parallelism.ep", "2"), ("parallelism.fsdp_prefetch", "implicit")), False),
+        ((("parallelism.fsdp_prefetch", "explicit"),), True),
+    ],
+)
+def test_fsdp_prefetch_reaches_the_data_parallel_config(overrides, explicit):
+    from plait.trainer.parallelize import data_parallel_config
+
+    assert data_parallel_config(build_config(None, list(overrides))).prefetch is explicit

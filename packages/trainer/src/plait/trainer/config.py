@@ -153,6 +153,11 @@ class ParallelismConfig:
     reshard_after_forward: Literal["default", "always", "never"] = "default"
     """FSDP: free gathered parameters after forward (always), keep them for backward (never), or
     plait.dataparallel's choice (default)."""
+    fsdp_prefetch: Literal["auto", "explicit", "implicit"] = "auto"
+    """FSDP: issue the next block's all-gathers (in backward the previous block's) one block early
+    (explicit), or leave it to FSDP's implicit prefetching, which overlaps them only while the host
+    runs ahead of the device (implicit). auto: explicit under expert parallel, whose dropless
+    dispatch syncs the host once per MoE layer and so stops it running ahead; implicit otherwise."""
 
 
 @dataclass
