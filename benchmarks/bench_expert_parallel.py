@@ -28,7 +28,7 @@ plait's default from the 2 cores), 1-rank runs 2 threads.
 * plait runs through `plait-train` (`--nproc-per-node 2` for 2 ranks); tokens/s (global), and for
   EP runs `moe_host_syncs` and `moe_dropped` per step, are read from `<dump>/metrics.jsonl`.
 * torchtitan runs `torchtitan_cpu.py` (patches torchtitan only; see its docstring) from the venv
-  of bench_trainer_vs_torchtitan.py (`benchmarks/.venv`, torch pinned), under torchrun for 2
+  of common.py (`benchmarks/.venv`, torch pinned), under torchrun for 2
   ranks (gloo). Its `tps` is tokens/s per data-parallel rank: global = tps x dp degree. Both
   frameworks use the same backend path at 1 and 2 ranks (torchtitan:
   `--parallelism.spmd_backend partial_dtensor`, the FSDP + EP path that runs on gloo; its default
@@ -50,12 +50,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_trainer_vs_torchtitan import (  # noqa: E402
-    _ANSI,
-    _TT_STEP,
+from common import (  # noqa: E402
+    ANSI,
     CORPUS_DIR,
     HERE,
     REPO,
+    TT_STEP,
     after_warmup,
     ensure_torchtitan_venv,
     plait_records,
@@ -136,14 +136,14 @@ def run_torchtitan(args, python: Path, workdir: Path, name: str) -> tuple[list[t
     print(f"[bench] {name}: {' '.join(cmd)}", flush=True)
     with open(log, "w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=workdir)
-    text = _ANSI.sub("", log.read_text())
+    text = ANSI.sub("", log.read_text())
     if proc.returncode != 0:
         sys.exit(f"[bench] {name} failed (exit {proc.returncode}); last lines of {log}:\n"
                  + "\n".join(text.splitlines()[-25:]))
     # Every rank logs the same step lines; keep the first per step. tps is per data-parallel
     # rank (torchtitan divides by the non-data-parallel size, 1 here): global = tps x ranks.
     per_step: dict[int, float] = {}
-    for m in _TT_STEP.finditer(text):
+    for m in TT_STEP.finditer(text):
         per_step.setdefault(int(m.group(1)), float(m.group(2).replace(",", "")) * ranks)
     syncs = [int(m.group(1)) for m in _TT_SYNCS.finditer(text)]
     return sorted(per_step.items()), (max(syncs) if syncs else None)

@@ -92,12 +92,12 @@ def run_torchtitan(name: str, args, workdir: Path) -> dict:
     log = workdir / f"tt-{name}.log"
     with open(log, "w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
-    from bench_trainer_vs_torchtitan import _ANSI, _TT_STEP
+    from common import ANSI, TT_STEP
 
-    text = _ANSI.sub("", log.read_text())
+    text = ANSI.sub("", log.read_text())
     if rc != 0:
         return {"error": f"exit {rc}: {text.splitlines()[-1] if text else ''}"[:200]}
-    tps = [float(m.group(2).replace(",", "")) for m in _TT_STEP.finditer(text) if int(m.group(1)) > args.warmup]
+    tps = [float(m.group(2).replace(",", "")) for m in TT_STEP.finditer(text) if int(m.group(1)) > args.warmup]
     mfu = [float(x) for x in re.findall(r"mfu:\s*([\d.]+)%", text)[args.warmup:]]
     mem = [float(x) for x in re.findall(r"memory:\s*([\d.]+)GiB", text)]
     return {

@@ -50,12 +50,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_trainer_vs_torchtitan import (  # noqa: E402
-    _ANSI,
-    _TT_STEP,
+from common import (  # noqa: E402
+    ANSI,
     CORPUS_DIR,
     REPO,
     TORCHTITAN_VERSION,
+    TT_STEP,
     ensure_torchtitan_venv,
     torch_version,
 )
@@ -134,7 +134,7 @@ def _measured(cmd: list[str], env: dict, log: Path, cwd: Path) -> tuple[int, flo
 
 
 def _tail(log: Path, lines: int = 3) -> str:
-    text = _ANSI.sub("", log.read_text()) if log.exists() else ""
+    text = ANSI.sub("", log.read_text()) if log.exists() else ""
     errors = [line for line in text.splitlines() if "Error" in line or "error" in line]
     return (errors[-1] if errors else " | ".join(text.splitlines()[-lines:]))[:300]
 
@@ -213,7 +213,7 @@ def run_torchtitan(python: Path, config: Config, workdir: Path, name: str, args,
         return Run(error=f"exit {rc}: {_tail(log)}")
     # Every rank logs its step lines; tps is per data-parallel rank: global = tps x ranks.
     per_step: dict[int, float] = {}
-    for m in _TT_STEP.finditer(_ANSI.sub("", log.read_text())):
+    for m in TT_STEP.finditer(ANSI.sub("", log.read_text())):
         per_step.setdefault(int(m.group(1)), float(m.group(2).replace(",", "")) * config.ranks)
     return Run(tps=[t for s, t in sorted(per_step.items()) if s > args.warmup], peak_gib=peak)
 

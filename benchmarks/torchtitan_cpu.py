@@ -1,6 +1,6 @@
 """Run torchtitan's training entry point on CPU: `python torchtitan_cpu.py <torchtitan args>`.
 
-Meant to run inside the benchmark's torchtitan venv (see bench_trainer_vs_torchtitan.py), as a
+Meant to run inside the benchmark's torchtitan venv (see common.py), as a
 single process (WORLD_SIZE=1) or under torchrun (gloo; bench_expert_parallel.py). torchtitan
 0.3.0 assumes an accelerator; these runtime patches touch torchtitan (and which device torch
 reports to it) only, never plait:
