@@ -17,8 +17,9 @@ more embedding/output work, which the MFU formula does not count, so it reads a 
 No hub download: text is plait's built-in corpus, tokens from the shipped 2048-id BPE (the models
 keep their full vocabularies, so the output layer costs what it costs in a real run). Each run is
 a `plait-train` subprocess; figures are medians over the steps after the warmup (compile and
-autotuning). torchtitan runs when `import torchtitan` works (same dims, its own config CLI); where
-it does not install (no network on the GPU host) the table says so. With results on, a dated
+autotuning). torchtitan runs when `import torchtitan` works (same dims and depth, through
+torchtitan_gpu.py, its own defaults otherwise); where it does not install (no network on the GPU
+host) the table says so. With results on, a dated
 section (GPU, commit, torch) is appended to benchmarks/RESULTS.md.
 """
 
@@ -39,6 +40,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
+from common import ANSI, CORPUS_DIR, TT_STEP  # noqa: E402
 
 CONFIGS = {
     # name -> (plait config file, layers option, seq_len, local batch, torchtitan module/flavor)
@@ -82,18 +84,22 @@ def run_torchtitan(name: str, args, workdir: Path) -> dict:
     _, layers_opt, seq, batch, (module, flavor) = CONFIGS[name]
     tokenizer = (REPO / ".." / "shared" / "bench" / "torchtitan-tokenizer").resolve()
     dump = workdir / f"tt-{name}"
-    cmd = [sys.executable, "-m", "torchtitan.train", "--module", module, "--config", flavor,
-           "--hf_assets_path", str(tokenizer), "--dump_folder", str(dump),
-           "--training.seq_len", str(seq), "--training.local_batch_size", str(batch),
-           "--training.steps", str(args.steps), "--metrics.log_freq", "1", "--compile.enable",
-           f"--model.n_layers={getattr(args, layers_opt)}", "activation_checkpoint:selective"]  # fmt: skip
+    # torchtitan_gpu.py: torchtitan's trainer plus the reduced depth and a 1B config (see there).
+    # Text from the same local folder as plait (no hub); its default selective AC; model and loss
+    # compiled as plait compiles its blocks; one GPU, so no expert parallel.
+    cmd = [sys.executable, str(HERE / "torchtitan_gpu.py"), "--layers", str(getattr(args, layers_opt)),
+           "--module", module, "--config", flavor, "--hf_assets_path", str(tokenizer),
+           "--dataloader.dataset", "c4_test", "--dataloader.dataset_path", str(CORPUS_DIR),
+           "--dump_folder", str(dump), "--training.seq_len", str(seq), "--training.local_batch_size", str(batch),
+           "--training.steps", str(args.steps), "--metrics.log_freq", "1",
+           "--compile.enable", "--compile.components", "model,loss"]  # fmt: skip
+    if module == "deepseek_v3":
+        cmd += ["--parallelism.expert_parallel_degree", "1"]
     env = dict(os.environ, WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                MASTER_ADDR="127.0.0.1", MASTER_PORT="29591", PYTHONUNBUFFERED="1")  # fmt: skip
     log = workdir / f"tt-{name}.log"
     with open(log, "w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
-    from common import ANSI, TT_STEP
-
     text = ANSI.sub("", log.read_text())
     if rc != 0:
         return {"error": f"exit {rc}: {text.splitlines()[-1] if text else ''}"[:200]}
