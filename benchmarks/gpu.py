@@ -19,8 +19,8 @@ keep their full vocabularies, so the output layer costs what it costs in a real 
 a `plait-train` subprocess; figures are medians over the steps after the warmup (compile and
 autotuning). torchtitan runs when `import torchtitan` works (same dims and depth, through
 torchtitan_gpu.py, its own defaults otherwise); where it does not install (no network on the GPU
-host) the table says so. With results on, a dated
-section (GPU, commit, torch) is appended to benchmarks/RESULTS.md.
+host) the table says so. With results on, a dated section (GPU, commit, torch) is appended to
+benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations

@@ -17,22 +17,8 @@ sequence length, batch, steps, compile and, for DeepSeek-V3 on one GPU, expert p
 
 from __future__ import annotations
 
+import argparse
 import sys
-
-
-def _take_layers(argv: list[str]) -> tuple[int | None, list[str]]:
-    """`--layers N` (or `--layers=N`) out of argv."""
-    rest, layers, i = [], None, 0
-    while i < len(argv):
-        if argv[i] == "--layers" and i + 1 < len(argv):
-            layers, i = int(argv[i + 1]), i + 2
-            continue
-        if argv[i].startswith("--layers="):
-            layers = int(argv[i].split("=", 1)[1])
-        else:
-            rest.append(argv[i])
-        i += 1
-    return layers, rest
 
 
 def _add_llama3_1b() -> None:
@@ -49,41 +35,31 @@ def _add_llama3_1b() -> None:
     registry.llama3_1b = llama3_1b
 
 
-def _truncate(config, layers: int):
-    model = config.model_spec.model
-    if not 0 < layers <= len(model.layers):
-        raise SystemExit(f"--layers {layers}: the flavor has {len(model.layers)} layers")
-    model.layers = model.layers[:layers]
-    return config
-
-
-def load_config(argv: list[str]):
-    """torchtitan's parsed trainer config for `argv`, with this launcher's two additions."""
+def install(argv: list[str]) -> None:
+    """Make torchtitan's ConfigManager parse `argv` with this launcher's two additions."""
     from torchtitan.config import ConfigManager
 
-    layers, rest = _take_layers(argv)
+    ours = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    ours.add_argument("--layers", type=int)
+    known, rest = ours.parse_known_args(argv)
     _add_llama3_1b()
-    config = ConfigManager().parse_args(rest)
-    return _truncate(config, layers) if layers is not None else config
+    parse = ConfigManager.parse_args
 
+    def parse_args(self, args=None):
+        config = parse(self, rest)
+        if known.layers is not None:
+            layers = config.model_spec.model.layers
+            if not 0 < known.layers <= len(layers):
+                raise SystemExit(f"--layers {known.layers}: the flavor has {len(layers)} layers")
+            config.model_spec.model.layers = layers[: known.layers]
+        return config
 
-def main() -> None:
-    from torchtitan.config import ConfigManager
-
-    layers, rest = _take_layers(sys.argv[1:])
-    _add_llama3_1b()
-    if layers is not None:
-        parse = ConfigManager.parse_args
-
-        def parse_args(self, args=None):
-            return _truncate(parse(self, rest), layers)
-
-        ConfigManager.parse_args = parse_args
-    from torchtitan.train import main as train
-
-    sys.argv = ["torchtitan.train", *rest]
-    train()
+    ConfigManager.parse_args = parse_args
 
 
 if __name__ == "__main__":
+    install(sys.argv[1:])
+    from torchtitan.train import main
+
+    sys.argv[0] = "torchtitan.train"
     main()
