@@ -6,6 +6,7 @@
     nox -s bench       the benchmark suite against torchtitan 0.3.0 (appends to benchmarks/RESULTS.md)
     nox -s parity_table  the last combos run's parity matrix into the README
     nox -s reliability the fault matrix against plait-train (kills, corruption, NaN, locks), one table
+    nox -s gpu         every CUDA-only branch against its reference (gpu/run.py); one line and exit 0 without CUDA
 
 Venvs are reused between runs (torch is installed once per venv, from the pinned wheel).
 """
@@ -137,3 +138,11 @@ def reliability(session: nox.Session) -> None:
     """Faults against plait-train in subprocesses (benchmarks/reliability.py): one table row each."""
     _install(session, ["mesh", "models", "dataparallel", "trainer"], extras="")
     session.run("python", "benchmarks/reliability.py", *session.posargs, env={"OMP_NUM_THREADS": "1"})
+
+
+@nox.session(python=False)
+def gpu(session: nox.Session) -> None:
+    """The GPU suite (gpu/run.py) with the python that runs nox, whose torch must be a CUDA build:
+    this checkout's packages go on PYTHONPATH, nothing is installed. Without CUDA: one line, exit 0.
+    `nox -s gpu -- --dry-run-cpu` runs it on the CPU (cuda_only tests skipped). Not part of -t test."""
+    session.run("python", str(ROOT / "gpu" / "run.py"), *session.posargs)

@@ -1,7 +1,8 @@
 """Expert parallel at full size without the hardware: the shipped DeepSeek-V3 16B / 236B / 671B
 configs validate, build their meshes and their sharded model on the meta device under a fake
 process group of their world size, and routed experts get the placements FSDP x EP x TP needs
-(the table in shared/seeds/fsdp-tp-for-expert-parallel.txt)."""
+(the placement table of pytorch/pytorch PR #157216, "[DTensor][FSDP2] necessary changes to FSDP
+and TP to unblock EP")."""
 
 import json
 import subprocess

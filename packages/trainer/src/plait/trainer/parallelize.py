@@ -1,4 +1,4 @@
-"""Model on meta -> tensor parallel -> expert parallel -> context parallel -> activation
+"""Model on meta -> tensor parallel -> context parallel -> expert parallel -> activation
 checkpointing -> compile per block -> data parallel.
 
 Initial weights are the same on every layout: with `full_init` (the default whenever the fp32
