@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from plait.models.hf.checks import check_hf_state
 from plait.models.hf.fp8 import dequantize_if_fp8
 from plait.models.hf.io import (
     INDEX_FILE,
@@ -114,7 +115,9 @@ def from_hf(model: str, flavor: str | None, input: str, output: str, dtype: torc
         # max_seq_len only sizes the RoPE tables; everything else must be the flavor's.
         if dataclasses.replace(args, max_seq_len=expected.max_seq_len, depth_init=expected.depth_init) != expected:
             raise SystemExit(f"{input}/config.json is not flavor {flavor!r}:\n  {args}\n  != {expected}")
-    state_dict = spec.hf_adapter.from_hf(dequantize_if_fp8(load_safetensors(input), config), args)
+    hf_state_dict = load_safetensors(input)
+    check_hf_state(hf_state_dict, input)
+    state_dict = spec.hf_adapter.from_hf(dequantize_if_fp8(hf_state_dict, config), args)
     check_matches_model(state_dict, spec.model_cls, args)
     if dtype is not None:
         state_dict = {name: t.to(dtype) for name, t in state_dict.items()}

@@ -142,8 +142,12 @@ def read_hf_state(path: str | Path, model: str, flavor: str, model_args=None) ->
     from plait.models.hf.io import load_safetensors
 
     spec, args, config = check_hf_folder(path, model, flavor, model_args)
+    from plait.models.hf.checks import check_hf_state
+
     try:
-        state_dict = spec.hf_adapter.from_hf(dequantize_if_fp8(load_safetensors(path), config), args)
+        hf_state_dict = load_safetensors(path)
+        check_hf_state(hf_state_dict, path)
+        state_dict = spec.hf_adapter.from_hf(dequantize_if_fp8(hf_state_dict, config), args)
         check_matches_model(state_dict, spec.model_cls, args)
     except (FileNotFoundError, KeyError, ValueError) as e:
         raise store.CheckpointError(f"checkpoint.initial_load_path = {str(path)!r}: {str(e).splitlines()[0]}") from None

@@ -17,6 +17,7 @@ the folder by renaming it. A rank holds at most its share of the model plus one 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -55,17 +56,43 @@ def _hf_files(path: Path) -> dict[str, Path]:
     return where
 
 
-def _read(names: list[str], files: dict[str, Path]) -> dict[str, torch.Tensor]:
+def _read(names: list[str], files: dict[str, Path], path: Path) -> dict[str, torch.Tensor]:
+    """Whole tensors, each checked (dtype, FP8 with its scale, finite) where it was read."""
     from safetensors import safe_open
+
+    from plait.models.hf.checks import check_dtype, check_finite
 
     out = {}
     by_file: dict[Path, list[str]] = {}
     for name in names:
         by_file.setdefault(files[name], []).append(name)
     for file, keys in by_file.items():
-        with safe_open(str(file), framework="pt") as f:
-            out.update({k: f.get_tensor(k) for k in keys})
+        with _naming(path, keys[0], file), safe_open(str(file), framework="pt") as f:
+            for k in keys:
+                with _naming(path, k, file):
+                    out[k] = f.get_tensor(k)
+                    check_dtype(k, out[k], file.name, has_scale=k + "_scale_inv" in files)
+                    check_finite(k, out[k], file.name)
     return out
+
+
+@contextlib.contextmanager
+def _naming(path: Path, hf_name: str, file: Path):
+    """A file the index names but that is missing, or lacks the tensor, or a tensor that fails
+    its checks: one line naming the tensor and the file instead of a SafetensorError trace."""
+    from safetensors import SafetensorError
+
+    from plait.models.hf.checks import ImportCheckError
+
+    where = f"checkpoint.initial_load_path = {str(path)!r}"
+    try:
+        yield
+    except ImportCheckError as e:
+        raise store.CheckpointError(f"{where}: {e}") from None
+    except FileNotFoundError:
+        raise store.CheckpointError(f"{where}: {hf_name} is in {file.name}, which does not exist") from None
+    except SafetensorError as e:
+        raise store.CheckpointError(f"{where}: cannot read {hf_name} from {file.name} ({e})") from None
 
 
 class _Probe:
@@ -99,16 +126,22 @@ def _copy_slice(local: dict, name: str, hf_name: str, file: Path, path: Path) ->
     """Read only this rank's part of `hf_name` (safetensors slices) into parameter `name`."""
     from safetensors import safe_open
 
+    from plait.models.hf.checks import check_dtype, check_finite
+
     target = local.get(name)
-    with safe_open(str(file), framework="pt") as f:
+    with _naming(path, hf_name, file), safe_open(str(file), framework="pt") as f:
         piece = f.get_slice(hf_name)
         shape = torch.Size(piece.get_shape())
         if target is None or shape != target.shape:
             raise store.CheckpointError(
-                f"checkpoint.initial_load_path = {str(path)!r}: {hf_name} (shape {tuple(shape)}) does not fit "
-                f"{name} ({'not in the model' if target is None else tuple(target.shape)})")
+                f"checkpoint.initial_load_path = {str(path)!r}: {hf_name} in {file.name} (shape {tuple(shape)}) "
+                f"does not fit {name} ({'not in the model' if target is None else tuple(target.shape)})")
+        part = piece[_local_index(shape, target)]
+        # Only a rename: an FP8 tensor here has no scale beside it.
+        check_dtype(hf_name, part, file.name, has_scale=False)
+        check_finite(hf_name, part, file.name)
         shard = target.to_local() if isinstance(target, DTensor) else target
-        shard.copy_(piece[_local_index(shape, target)])
+        shard.copy_(part)
 
 
 def local_slice(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -143,7 +176,7 @@ def load_hf_sharded(model: torch.nn.Module, path: str | Path, model_name: str, f
         if not rest:
             continue
         try:
-            converted = spec.hf_adapter.from_hf(dequantize_if_fp8(_read(rest, files), config), args)
+            converted = spec.hf_adapter.from_hf(dequantize_if_fp8(_read(rest, files, path), config), args)
         except (KeyError, ValueError) as e:
             raise store.CheckpointError(f"checkpoint.initial_load_path = {str(path)!r}: {str(e).splitlines()[0]}") from None
         for name, full in converted.items():
