@@ -190,10 +190,14 @@ class IndexedTokenStream(SharedTokenStream):
         return np.concatenate(out) if out else np.zeros(0, np.int32)
 
     def _resolve(self, need: int) -> None:
+        empty_run = 0  # documents in a row without a token: a whole epoch of them would loop forever
         while self._available() < need:
             d = self.documents.read() if len(self._docs) == self._resolved else self._docs[self._resolved]
             if len(self._docs) == self._resolved:
                 self._docs.append(d)
             d.length = self.documents.length(d)
+            empty_run = 0 if d.length else empty_run + 1
+            if empty_run > self.documents.num_documents:
+                raise DataError(f"{self.documents.name}: every document is empty (0 tokens): nothing to train on")
             self._resolved_tokens += d.length
             self._resolved += 1
