@@ -28,7 +28,7 @@ def test_model_arguments_override_the_flavor():
         (("model.n_layrs", "2"), "unknown config key 'model.n_layrs': not a [model] key nor an argument of llama3 "
                                  "debugmodel. Did you mean model.n_layers?"),
         (("model.n_layers", "two"), "model.n_layers = 'two': expected an integer."),
-        (("model.n_heads", "7"), "dim 256 is not divisible by n_heads 7"),
+        (("model.n_heads", "7"), "model.dim = 256 (llama3 debugmodel) is not divisible by model.n_heads = 7"),
         (("model.rope_scaling", "8"), "model.rope_scaling = '8': set it as a table in the TOML file"),
         (("training.seq_len", "4096"), "lower training.seq_len, or raise model.max_seq_len (--model.max_seq_len 4096"),
         (("parallelism.dp_replicate", "2", "parallelism.replicate_impl", "ddp", "training.dtype", "bfloat16"),

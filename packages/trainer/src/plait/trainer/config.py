@@ -86,7 +86,7 @@ class DataConfig:
     """Batches per validation run."""
     prefetch: int = 1
     """Training batches prepared ahead in a background thread while the step runs (0: prepared in
-    the step, synchronously). Resume is exact either way."""
+    the step, synchronously; at most 16, each is held in memory). Resume is exact either way."""
 
 
 @dataclass

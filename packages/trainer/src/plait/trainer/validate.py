@@ -20,6 +20,7 @@ from torch import nn
 from plait.mesh import ParallelConfigError, ParallelDims
 
 from .config import Config, ConfigError, coerce
+from .model_ranges import check_model_args
 
 # Parallelisms that live in optional packages: degree field -> (import name, pip name, entry point).
 OPTIONAL_PARALLEL = {
@@ -27,6 +28,9 @@ OPTIONAL_PARALLEL = {
     "cp": ("plait.contextparallel", "plait-contextparallel", "apply_context_parallel"),
     "ep": ("plait.expertparallel", "plait-expertparallel", "apply_expert_parallel"),
 }
+
+# Batches prepared ahead are held in host memory: more than this only costs memory.
+MAX_PREFETCH = 16
 
 # The full model is materialised on every rank before sharding (init = auto) below this size.
 FULL_INIT_MAX_BYTES = 8 * 2**30
@@ -99,6 +103,9 @@ def _check_positive(config: Config) -> None:
     for key, value in nonneg.items():
         if value < 0:
             raise ConfigError(f"{key} = {value}: must be >= 0.")
+    if config.parallelism.expert_capacity_factor < 0:  # checked at ep 1 too, where it is unused
+        raise ConfigError(f"parallelism.expert_capacity_factor = {config.parallelism.expert_capacity_factor}: use 0 "
+                          "(dropless) or a factor > 0.")
     for i, beta in enumerate(config.optimizer.betas):
         if not 0.0 <= beta < 1.0:
             raise ConfigError(f"optimizer.betas[{i}] = {beta}: must be in [0, 1).")
@@ -132,8 +139,9 @@ def _check_data(config: Config) -> None:
     from plait.trainer.data.sources import check_readable, resolve_source
 
     d = config.data
-    if d.prefetch < 0:
-        raise ConfigError(f"data.prefetch = {d.prefetch}: must be >= 0 (0 prepares batches in the step).")
+    if not 0 <= d.prefetch <= MAX_PREFETCH:
+        raise ConfigError(f"data.prefetch = {d.prefetch}: must be in [0, {MAX_PREFETCH}] (batches prepared ahead, "
+                          "each held in memory; 0 prepares batches in the step).")
     sources = [(d.dataset, d.dataset_path or None, "train")]
     if d.val_interval:
         sources.append((d.val_dataset, (d.dataset_path or None) if d.val_dataset == d.dataset else None, "validation"))
@@ -195,6 +203,22 @@ def _check_hf_weights(config: Config, model_args) -> None:
         check_hf_folder(c.initial_load_path, config.model.name, config.model.flavor, model_args)
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
+
+
+def _check_hf_export(config: Config, spec, model_args) -> None:
+    """The model can be written as a Hugging Face checkpoint (checkpoint.last_save_in_hf), checked
+    by building its config.json now rather than failing after the whole run."""
+    c = config.checkpoint
+    if not (c.enable and c.last_save_in_hf):
+        return
+    try:
+        spec.hf_adapter.hf_config(model_args)
+    except (ValueError, KeyError) as e:
+        fix = ("set --model.score_func sigmoid" if getattr(model_args, "score_func", None) == "softmax"
+               else "change the model")
+        raise ConfigError(f"checkpoint.last_save_in_hf = true but {config.model.name} {config.model.flavor} cannot "
+                          f"be exported: {str(e).splitlines()[0]}; {fix}, or set checkpoint.last_save_in_hf = false "
+                          "(the DCP checkpoints are written either way).") from None
 
 
 def _writable_folder_problem(path: str) -> str | None:
@@ -266,6 +290,8 @@ def resolve_model_args(config: Config, spec=None):
                 f"{config.model.flavor}.{hint}"
             )
         values[name] = _coerce_model_arg(f"model.{name}", hints[name], value)
+    # Ranges first: a dim or n_heads of 0 would otherwise be a ZeroDivisionError in the args.
+    check_model_args({**{f: getattr(base, f) for f in names}, **values}, f"{config.model.name} {config.model.flavor}")
     try:
         return dataclasses.replace(base, **values)
     except (ValueError, TypeError) as e:
@@ -334,6 +360,7 @@ def validate(config: Config, world_size: int | None = None) -> RunPlan:
     _check_data_parallel(config, dims)
     _check_data(config)
     _check_hf_weights(config, model_args)
+    _check_hf_export(config, spec, model_args)
 
     from plait.trainer.data import build_tokenizer
 

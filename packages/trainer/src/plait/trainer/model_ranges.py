@@ -1,0 +1,59 @@
+"""The valid range of every model argument a run may override (`--model.<field>`), checked before
+the arguments are built: a dim of 0 is otherwise a ZeroDivisionError, n_layers 0 trains an
+empty model, and rope_theta <= 0 or norm_eps < 0 is a NaN at step 1 blamed on the learning rate.
+
+Fields are looked up by name, so one table serves every model (a field a model lacks is skipped).
+"""
+
+import math
+
+from .config import ConfigError
+
+# field -> (smallest valid value, whether the bound itself is allowed); None values are skipped.
+_AT_LEAST = {
+    # sizes
+    "dim": (1, True), "n_layers": (1, True), "n_heads": (1, True), "n_kv_heads": (1, True),
+    "vocab_size": (1, True), "multiple_of": (1, True), "max_seq_len": (1, True),
+    "inter_dim": (1, True), "moe_inter_dim": (1, True), "n_routed_experts": (1, True),
+    "n_shared_experts": (0, True), "n_dense_layers": (0, True),
+    "n_expert_groups": (1, True), "n_limited_groups": (1, True),
+    "q_lora_rank": (0, True),  # 0: no low-rank query path
+    "kv_lora_rank": (1, True), "qk_nope_head_dim": (0, True), "qk_rope_head_dim": (2, True),
+    "v_head_dim": (1, True), "original_seq_len": (1, True),
+    # numerics
+    "norm_eps": (0, False), "rope_theta": (0, False), "ffn_dim_multiplier": (0, False),
+    "route_scale": (0, False), "aux_loss_coeff": (0, True), "load_balance_coeff": (0, True),
+    "rope_factor": (0, False), "mscale": (0, True), "beta_fast": (0, False), "beta_slow": (0, False),
+}
+
+
+def _range(low: float, inclusive: bool) -> str:
+    return f">= {low}" if inclusive else f"> {low}"
+
+
+def check_model_args(values: dict, where: str) -> None:
+    """Raise a ConfigError naming the first field of `values` (field -> value, the flavor's with
+    the overrides applied) out of its range, and the range; `where` names the model and flavor."""
+    for field, (low, inclusive) in _AT_LEAST.items():
+        value = values.get(field)
+        if value is None or isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        if not math.isfinite(value) or value < low or (value == low and not inclusive):
+            raise ConfigError(f"model.{field} = {value} ({where}): must be {_range(low, inclusive)}.")
+    pairs = [  # (field, lowest, the field that is its highest)
+        ("n_activated_experts", 1, "n_routed_experts"),
+        ("n_limited_groups", 1, "n_expert_groups"),
+        ("n_dense_layers", 0, "n_layers"),
+    ]
+    for field, low, upper in pairs:
+        if field in values and upper in values and not low <= values[field] <= values[upper]:
+            raise ConfigError(f"model.{field} = {values[field]} ({where}): must be in [{low}, {upper} = "
+                              f"{values[upper]}].")
+    divisible = [("dim", "n_heads"), ("n_heads", "n_kv_heads"), ("n_routed_experts", "n_expert_groups")]
+    for field, by in divisible:
+        if values.get(field) and values.get(by) and values[field] % values[by]:
+            raise ConfigError(f"model.{field} = {values[field]} ({where}) is not divisible by model.{by} = "
+                              f"{values[by]}: choose values where it is.")
+    if values.get("dim") and values.get("n_heads") and "n_kv_heads" in values and (values["dim"] // values["n_heads"]) % 2:
+        raise ConfigError(f"model.dim / model.n_heads = {values['dim'] // values['n_heads']} ({where}): the head "
+                          "dim must be even for RoPE.")
