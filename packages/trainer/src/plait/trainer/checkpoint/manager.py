@@ -79,6 +79,7 @@ class CheckpointManager:
         self.async_group = None
         self.writer = None  # the thread that hashes an async save's files once DCP wrote them
         self.last_good: tuple[int, Path] | None = None  # (step, path) of the newest finite state on disk
+        self.resumed_from: tuple[int, Path] | None = None  # (step, path) this run resumed from
         self._rejected: set[str] = set()  # rank 0: checkpoints found damaged while choosing
         if self.c.enable and self.c.async_mode == "async" and dist.is_initialized():
             # Collectives of the background writer must not interleave with training's.
@@ -235,7 +236,7 @@ class CheckpointManager:
                 f"this run's settings replace the checkpoint's: {', '.join(changes)}; the schedule continues at "
                 f"step {step + 1} with lr {self.scheduler.get_last_lr()[0]:.3g}"
             )
-        self.last_good = (step, path)
+        self.last_good = self.resumed_from = (step, path)
         return step
 
     def _load_initial(self) -> None:
@@ -399,6 +400,18 @@ class CheckpointManager:
         if self.last_good is None:
             return "Nothing non-finite was checkpointed; no checkpoint of this run exists yet."
         step, path = self.last_good
+        if self.last_good == self.resumed_from:
+            # Resumed from it and diverged before the next save: it is finite, but resuming from it
+            # again leads to the same divergence, so the message must not send the user back there.
+            earlier = [s for s, p in store.checkpoints(self.folder) if s < step and (p / store.MARKER).is_file()]
+            further = (f"resume from an earlier one with --checkpoint.load_step {earlier[-1]} (kept: "
+                       f"{', '.join(map(str, earlier))}) and a lower optimizer.lr" if earlier else
+                       "no earlier checkpoint is kept (checkpoint.keep_last): start again with a lower optimizer.lr")
+            return (
+                f"Nothing non-finite was checkpointed, but this run resumed from {path} (step {step}) and diverged "
+                f"again before its next checkpoint: that checkpoint is finite but leads to the divergence, so the "
+                f"same command would diverge again; {further}."
+            )
         return (
             f"Nothing non-finite was checkpointed: the last good checkpoint is {path} (step {step}), which the same "
             "command resumes from (with the optimizer.lr and schedule it is given)."

@@ -1,0 +1,36 @@
+"""Issue 27 faults that need a real `plait-train` process (the rest are tested in process where
+their check lives): a resume from the "last good" checkpoint that diverges again at once, and
+the run's description line. Tiny runs: the debug model, 2 sequences of 64 tokens."""
+
+from pathlib import Path
+
+from plait.trainer.cli import EXIT_DIVERGED
+from plait.trainer.testing import run_cli
+
+# fmt: off
+COMMON = [
+    "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.dtype", "float32",
+    "--metrics.cpu_peak_tflops", "0.1", "--metrics.tensorboard", "false",
+]
+# fmt: on
+
+
+def error_line(result) -> str:
+    err = result.stderr.strip()
+    assert "Traceback" not in err and err.count("\n") == 0 and err.startswith("plait-train: error: "), err
+    return err
+
+
+def test_diverging_again_from_the_last_good_checkpoint_points_further_back(tmp_path: Path):
+    # lr 1e6 without warmup: NaN from step 5, found at step 6's save; checkpoints 2 and 4 are finite.
+    dump = tmp_path / "nan"
+    diverging = [*COMMON, "--model.n_layers", "1", "--training.steps", "8", "--optimizer.lr", "1e6",
+                 "--lr_scheduler.warmup_steps", "20000", "--metrics.log_freq", "20", "--checkpoint.enable", "true",
+                 "--checkpoint.interval", "2", "--checkpoint.keep_last", "3"]
+    first = error_line(run_cli(dump, *diverging, expect=EXIT_DIVERGED))
+    assert "the last good checkpoint is" in first and "step-000004 (step 4), which the same command resumes" in first
+    # The same command, as the message says: it resumes from step 4 and diverges again before a save.
+    again = error_line(run_cli(dump, *diverging, expect=EXIT_DIVERGED))
+    assert "this run resumed from" in again and "step-000004 (step 4) and diverged again" in again, again
+    assert "resume from an earlier one with --checkpoint.load_step 2 (kept: 2)" in again, again
+    assert "which the same command resumes from" not in again
