@@ -1,6 +1,6 @@
 """All-gather context parallel (pass-KV): every rank gathers K and V once per layer.
 
-Forward: all-gather [K | V] (one collective), reorder the chunks to sequence order, attend the
+Forward: all-gather K and V (one collective, each contiguous after), reorder the chunks to sequence order, attend the
 local queries to the keys each one may see (layout.plan_blocks), merge through the lse.
 Backward: gather again (only the local K/V are saved, so activation memory stays O(S / cp)),
 accumulate dK/dV for the whole sequence in fp32, reduce-scatter them back to their owners.
@@ -10,17 +10,23 @@ import torch
 import torch.distributed as dist
 
 from .blockwise import blocks_backward, blocks_forward
-from .comm import all_gather, reduce_scatter
-from .kernels import MergedAttention, accum_dtype
+from .comm import all_gather, pack, reduce_scatter, unpack
+from .kernels import MergedAttention, accum_dtype, last_dim_contiguous
 from .layout import SequenceLayout, plan_blocks
 
 
-def _gather_kv(kv_BGLF: torch.Tensor, group, layout: SequenceLayout) -> torch.Tensor:
-    """Local [B, G, 2c, F] -> the whole sequence [B, G, S, F] in natural order."""
-    B, G, L, F = kv_BGLF.shape
-    gathered_RBGLF = all_gather(kv_BGLF, group, layout.cp)
-    slots_BGNcF = gathered_RBGLF.movedim(0, 2).reshape(B, G, layout.n_chunks, L // 2, F)
-    return slots_BGNcF.index_select(2, layout.natural_order_index(kv_BGLF.device)).view(B, G, layout.cp * L, F)
+def _gather_kv(k_BGLD: torch.Tensor, v_BGLF: torch.Tensor, group, layout: SequenceLayout):
+    """Local k [B, G, 2c, D], v [B, G, 2c, F] -> the whole sequence [B, G, S, *], natural order, each
+    contiguous (gathered in one collective)."""
+    gathered_RN = all_gather(pack(k_BGLD, v_BGLF), group, layout.cp)
+    k_RBGLD, v_RBGLF = unpack(gathered_RN, (k_BGLD.shape, v_BGLF.shape))
+    return _natural(k_RBGLD, layout), _natural(v_RBGLF, layout)
+
+
+def _natural(x_RBGLF: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
+    R, B, G, L, F = x_RBGLF.shape
+    slots_BGNcF = x_RBGLF.movedim(0, 2).reshape(B, G, layout.n_chunks, L // 2, F)
+    return slots_BGNcF.index_select(2, layout.natural_order_index(x_RBGLF.device)).view(B, G, R * L, F)
 
 
 def _scatter_grad(dkv_BGSF: torch.Tensor, group, layout: SequenceLayout) -> torch.Tensor:
@@ -36,12 +42,12 @@ class AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, layout: SequenceLayout, scale: float):
         rank = dist.get_rank(group)
-        d = k.shape[-1]
-        kv = _gather_kv(torch.cat([k, v], dim=-1), group, layout)
+        q = last_dim_contiguous(q)
+        k_full, v_full = _gather_kv(k, v, group, layout)
         chunk = q.shape[2] // 2
         blocks = plan_blocks(layout.chunks(rank), range(layout.n_chunks))
         acc = MergedAttention(q, v.shape[-1])
-        blocks_forward(acc, q, kv[..., :d], kv[..., d:], blocks, chunk, scale)
+        blocks_forward(acc, q, k_full, v_full, blocks, chunk, scale)
         out = acc.out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, acc.lse)
         ctx.group, ctx.layout, ctx.scale, ctx.blocks = group, layout, scale, blocks
@@ -51,12 +57,14 @@ class AllGatherAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         d = k.shape[-1]
-        kv = _gather_kv(torch.cat([k, v], dim=-1), ctx.group, ctx.layout)
+        k_full, v_full = _gather_kv(k, v, ctx.group, ctx.layout)
         chunk = q.shape[2] // 2
         dq = torch.zeros(q.shape, dtype=accum_dtype(q.dtype), device=q.device)
-        dkv = torch.zeros(kv.shape, dtype=accum_dtype(q.dtype), device=q.device)
+        # One fp32 [dK | dV] accumulator (the kernels never read it): one reduce-scatter for both.
+        B, G, S, _ = k_full.shape
+        dkv = torch.zeros(B, G, S, d + v.shape[-1], dtype=accum_dtype(q.dtype), device=q.device)
         blocks_backward(
-            dq, dkv[..., :d], dkv[..., d:], dout.contiguous(), q, kv[..., :d], kv[..., d:], out, lse,
+            dq, dkv[..., :d], dkv[..., d:], dout.contiguous(), q, k_full, v_full, out, lse,
             ctx.blocks, chunk, ctx.scale,
         )
         dkv_local = _scatter_grad(dkv, ctx.group, ctx.layout)

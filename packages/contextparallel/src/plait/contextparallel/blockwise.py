@@ -1,4 +1,8 @@
-"""Attention over a plan of blocks (layout.plan_blocks): forward merges them, backward splits."""
+"""Attention over a plan of blocks (layout.plan_blocks): forward merges them, backward splits.
+
+q, out and dout come with stride(-1) == 1, k and v dense (kernels.flash_input_problems): slices of
+them along the sequence are what the kernels take, on CPU and CUDA alike.
+"""
 
 from collections.abc import Sequence
 
@@ -28,9 +32,11 @@ def blocks_backward(
     """Accumulate (fp32) every block's share of dq, dk, dv given the merged out and lse."""
     for b in blocks:
         rows, keys = slice(b.q0 * chunk, b.q1 * chunk), slice(b.k0 * chunk, b.k1 * chunk)
+        # The kernels read the lse as a dense [B, H, Lq] (a strided slice is silently wrong on CUDA);
+        # q, out, dout slices keep stride(-1) == 1, which is all the kernels need of them.
         dq, dk, dv = attention_backward(
-            dout[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows], lse[:, :, rows],
-            b.causal, scale,
+            dout[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows],
+            lse[:, :, rows].contiguous(), b.causal, scale,
         )
         dq_acc[:, :, rows] += dq
         dk_acc[:, :, keys] += dk

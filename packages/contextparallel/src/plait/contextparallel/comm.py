@@ -36,6 +36,28 @@ def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+def pack(*tensors: torch.Tensor) -> torch.Tensor:
+    """One flat buffer holding `tensors` back to back (one copy each), for one collective."""
+    buf = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=tensors[0].device)
+    for view, t in zip(unpack(buf, [t.shape for t in tensors]), tensors):
+        view.copy_(t)
+    return buf
+
+
+def unpack(buf: torch.Tensor, shapes) -> list[torch.Tensor]:
+    """Views of `buf`'s last dim as tensors of `shapes`: contiguous for a flat `buf`, so the attention
+    kernels get K and V dense, never as interleaved slices of a [K | V] buffer (torch's ring attention
+    makes K/V contiguous for the CUDA flash kernels, which otherwise gave it a bad loss curve)."""
+    views, start = [], 0
+    for shape in shapes:
+        n = 1
+        for size in shape:
+            n *= size
+        views.append(buf[..., start : start + n].unflatten(-1, tuple(shape)))
+        start += n
+    return views
+
+
 class RingShift:
     """Send a tensor to the next rank and receive the previous rank's, asynchronously."""
 

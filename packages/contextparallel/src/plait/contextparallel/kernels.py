@@ -12,9 +12,11 @@ probabilities rebuilt from the global lse are the global ones, so each block's d
 exact share of the full gradient (the ring-flash-attention identity).
 
 Kernels: CPU -> aten._scaled_dot_product_flash_attention_for_cpu (any float dtype, native GQA);
-CUDA fp16/bf16 -> aten._scaled_dot_product_flash_attention (FlashAttention-2, native GQA);
-anything else -> an explicit fp32 implementation (`math_forward` / `math_backward`). The flash
-kernels need Dv == Dqk, so MLA's narrower values are zero-padded and the padding sliced off.
+CUDA fp16/bf16 with head dim a multiple of 8, <= 256 -> aten._scaled_dot_product_flash_attention
+(FlashAttention-2, native GQA); anything else -> an explicit fp32 implementation (`math_forward` /
+`math_backward`). The flash kernels need Dv == Dqk, so MLA's narrower values are zero-padded and the
+padding sliced off. Callers hand every kernel what the CUDA one needs, on CPU too
+(`flash_input_problems` says what that is; the tests check every call against it).
 """
 
 import torch
@@ -26,9 +28,43 @@ _HALF = (torch.float16, torch.bfloat16)
 def _kernel(q: torch.Tensor) -> str:
     if q.device.type == "cpu":
         return "cpu_flash"
-    if q.device.type == "cuda" and q.dtype in _HALF and q.shape[-1] <= 256:
+    # FlashAttention-2's backward (flash_api.cpp mha_bwd) takes fp16/bf16 with a head dim that is a
+    # multiple of 8 and at most 256 (F.scaled_dot_product_attention pads it; these ops do not).
+    if q.device.type == "cuda" and q.dtype in _HALF and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0:
         return "cuda_flash"
     return "math"
+
+
+def flash_input_problems(q, k, v, out=None, dout=None, lse=None) -> list[str]:
+    """What breaks the CUDA flash kernels' preconditions among these inputs ([] when none).
+
+    Checked on CPU too, so the one code path hands the CPU kernels what the CUDA ones need.
+    FlashAttention-2 (torch's flash_api.cpp) checks only stride(-1) == 1 of q, k, v, out and dout,
+    and reads the log-sum-exp through a bare pointer as a dense [B, H, Lq]: a strided slice of it
+    gives silently wrong gradients. It loads rows with 16-byte vector loads (aligned pointers).
+    K and V must be dense along (sequence, head dim) -- slices of a contiguous tensor along the
+    sequence, never columns of a [K | V] buffer -- as torch's own ring attention passes them.
+    """
+    problems = []
+    named = {"q": q, "k": k, "v": v, "out": out, "dout": dout}
+    for name, t in named.items():
+        if t is None:
+            continue
+        if t.stride(-1) != 1:
+            problems.append(f"{name}: stride(-1) = {t.stride(-1)}, needs 1")
+        if t.data_ptr() % 16:
+            problems.append(f"{name}: data pointer not 16-byte aligned")
+        if t.dtype != q.dtype:
+            problems.append(f"{name}: dtype {t.dtype}, q has {q.dtype}")
+    for name, t in (("k", k), ("v", v)):
+        if t.shape[-2] > 1 and t.stride(-2) != t.shape[-1]:
+            problems.append(f"{name}: row stride {t.stride(-2)} != head dim {t.shape[-1]} (interleaved with another tensor)")
+    if lse is not None:
+        if not lse.is_contiguous():
+            problems.append(f"lse: not contiguous (strides {lse.stride()} for shape {tuple(lse.shape)})")
+        if lse.dtype != accum_dtype(q.dtype):
+            problems.append(f"lse: dtype {lse.dtype}, needs {accum_dtype(q.dtype)}")
+    return problems
 
 
 def attention_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,7 +77,9 @@ def attention_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
     else:
         out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
-    return out[..., :dv], lse
+    # The CPU kernel returns the lse as a transposed view, CUDA's is dense: callers may hand it
+    # straight back to the backward (Ulysses does), which needs it dense. Free on CUDA.
+    return out[..., :dv], lse.contiguous()
 
 
 def attention_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
@@ -65,6 +103,11 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
 def accum_dtype(dtype: torch.dtype) -> torch.dtype:
     """Outputs, log-sum-exps and gradients accumulate in fp32 (fp64 inputs stay fp64)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """`x` itself when its last dim has stride 1 (the models' transposed q is), else a copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _pad_last(x: torch.Tensor, size: int) -> torch.Tensor:

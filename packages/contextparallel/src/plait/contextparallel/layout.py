@@ -12,6 +12,7 @@ square causal mask, and nothing when b > a. `plan_blocks` turns that rule into t
 calls a (query chunks, key chunks) pair needs; blocks that are fully masked never appear.
 """
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,14 +40,18 @@ class SequenceLayout:
         """Global chunk index of every (rank, slot), rank-major: the order of a gather over ranks."""
         return [c for rank in range(self.cp) for c in self.chunks(rank)]
 
+    def natural_order(self) -> list[int]:
+        """Position in rank_order() of every chunk, in sequence order."""
+        rank_order = self.rank_order()
+        return [rank_order.index(c) for c in range(self.n_chunks)]
+
     def rank_order_index(self, device=None) -> torch.Tensor:
-        """Index that puts sequence-ordered chunks into rank-major (rank, slot) order."""
-        return torch.tensor(self.rank_order(), device=device)
+        """Index that puts sequence-ordered chunks into rank-major (rank, slot) order (cached)."""
+        return _index_tensor(tuple(self.rank_order()), torch.device(device or "cpu"))
 
     def natural_order_index(self, device=None) -> torch.Tensor:
-        """Index that puts rank-major (rank, slot) chunks back into sequence order."""
-        rank_order = self.rank_order()
-        return torch.tensor([rank_order.index(c) for c in range(self.n_chunks)], device=device)
+        """Index that puts rank-major (rank, slot) chunks back into sequence order (cached)."""
+        return _index_tensor(tuple(self.natural_order()), torch.device(device or "cpu"))
 
     def local_indices(self, rank: int, seq_len: int, device=None) -> torch.Tensor:
         """Positions (int64) in the full sequence of the tokens rank `rank` holds, in its order."""
@@ -57,6 +62,14 @@ class SequenceLayout:
         if seq_len % self.n_chunks:
             raise ValueError(f"sequence length {seq_len} is not divisible by 2 x cp = {self.n_chunks}")
         return seq_len // self.n_chunks
+
+
+@functools.cache
+def _index_tensor(order: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A chunk index on `device`, built once: on CUDA each build is a blocking host-to-device copy,
+    and the attention of every layer asks for one each micro-batch. Read-only: never written."""
+    with torch.inference_mode(False):  # a normal tensor even if first asked for under inference mode
+        return torch.tensor(order, dtype=torch.int64, device=device)
 
 
 def shard_sequence(x: torch.Tensor, dim: int, rank: int, layout: SequenceLayout) -> torch.Tensor:

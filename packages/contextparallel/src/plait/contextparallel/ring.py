@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from .blockwise import blocks_backward, blocks_forward
-from .comm import GRAD_TAG, KV_TAG, RingShift
-from .kernels import MergedAttention, accum_dtype
+from .comm import GRAD_TAG, KV_TAG, RingShift, pack, unpack
+from .kernels import MergedAttention, accum_dtype, last_dim_contiguous
 from .layout import SequenceLayout, plan_blocks
 
 
@@ -27,15 +27,15 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, layout: SequenceLayout, scale: float):
         rank = dist.get_rank(group)
-        d = k.shape[-1]
+        q = last_dim_contiguous(q)
         chunk = q.shape[2] // 2
         shift = RingShift(group, KV_TAG)
         plans = _plans(layout, rank)
         acc = MergedAttention(q, v.shape[-1])
-        kv = torch.cat([k, v], dim=-1)
+        kv = pack(k, v)  # flat [K | V]: one message per hop, K and V contiguous views of it
         for step, blocks in enumerate(plans):
             pending = shift.start(kv) if step + 1 < layout.cp else None
-            blocks_forward(acc, q, kv[..., :d], kv[..., d:], blocks, chunk, scale)
+            blocks_forward(acc, q, *unpack(kv, (k.shape, v.shape)), blocks, chunk, scale)
             if pending is not None:
                 kv = pending.wait()
         out = acc.out.to(q.dtype)
@@ -51,13 +51,15 @@ class RingAttention(torch.autograd.Function):
         dout = dout.contiguous()
         kv_shift, grad_shift = RingShift(ctx.group, KV_TAG), RingShift(ctx.group, GRAD_TAG)
         dq = torch.zeros(q.shape, dtype=accum_dtype(q.dtype), device=q.device)
-        kv = torch.cat([k, v], dim=-1)
+        kv = pack(k, v)
         grad_pending = None
         for step, blocks in enumerate(ctx.plans):
             kv_pending = kv_shift.start(kv) if step + 1 < ctx.layout.cp else None
-            dkv = torch.zeros(kv.shape, dtype=accum_dtype(q.dtype), device=q.device)
+            # The block's fp32 [dK | dV] accumulator travels as one message (the kernels never read it).
+            dkv = torch.zeros((*k.shape[:-1], d + v.shape[-1]), dtype=accum_dtype(q.dtype), device=q.device)
             blocks_backward(
-                dq, dkv[..., :d], dkv[..., d:], dout, q, kv[..., :d], kv[..., d:], out, lse, blocks, chunk, ctx.scale
+                dq, dkv[..., :d], dkv[..., d:], dout, q, *unpack(kv, (k.shape, v.shape)), out, lse, blocks, chunk,
+                ctx.scale,
             )
             if grad_pending is not None:
                 dkv += grad_pending.wait()  # what the ranks before this one added to this block

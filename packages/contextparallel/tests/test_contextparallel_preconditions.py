@@ -1,0 +1,130 @@
+"""What a GPU would see of a context-parallel step, checked on CPU.
+
+1. Every attention kernel call, forward and backward, for all three methods (with and without load
+   balancing, GQA, MQA, MLA head dims, fp32 and bf16), gets inputs that meet the CUDA flash
+   kernels' preconditions (`kernels.flash_input_problems`): a dense log-sum-exp, dense K/V, last-dim
+   stride 1. CPU kernels honour any strides, so only this check sees a violation.
+2. No host syncs: after the first step (which builds the layout's index tensors once per device),
+   a step creates no tensor from Python data and reads nothing back (.item(), .tolist(), ...).
+"""
+
+import itertools
+
+import torch
+from cp_reference import random_qkv, reference_with_grads
+from cp_sentinels import HostDataCounter, KernelInputCheck
+
+from plait.contextparallel import ContextParallelAttention, SequenceLayout, layout, shard_sequence
+from plait.contextparallel.blockwise import blocks_backward
+from plait.contextparallel.kernels import MergedAttention
+from plait.mesh import ParallelDims, build_meshes
+from plait.mesh.testing import run_on_ranks
+
+SHAPES = {"gqa": (4, 2, 16, 16), "mqa": (4, 1, 16, 16), "mla": (4, 4, 24, 16)}  # (H, G, Dqk, Dv)
+CASES = [
+    (method, lb, shape, torch.float32)
+    for method, lb, shape in itertools.product(("allgather", "ring", "ulysses"), (True, False), SHAPES)
+] + [(method, True, "gqa", torch.bfloat16) for method in ("allgather", "ring", "ulysses")]
+
+
+def _sentinel_class():
+    """The repository's step sentinel, when it exists (plait.mesh.sentinel); else None."""
+    try:
+        from plait.mesh.sentinel import StepSentinel
+    except ImportError:
+        return None
+    return StepSentinel
+
+
+def _step(attention, local, dout):
+    for t in local:
+        t.grad = None
+    out = attention(*local)
+    out.backward(dout)
+    return out
+
+
+def _watch(rank, world_size):
+    meshes = build_meshes(ParallelDims(dp_shard=1, cp=world_size, world_size=world_size))
+    sentinel_cls = _sentinel_class()
+    report = {}
+    for n, (method, load_balance, shape, dtype) in enumerate(CASES):
+        H, G, dqk, dv = SHAPES[shape]
+        cp_layout = SequenceLayout(world_size, load_balance)
+        q, k, v, dout = random_qkv(2, H, G, 2 * world_size * 8, dqk, dv, dtype=dtype, seed=n)
+        ref = reference_with_grads(q, k, v, dout, scale=0.25)
+        # As the models pass them: transposed views of [B, S, heads, D] projections.
+        local = [shard_sequence(t, 2, rank, cp_layout).transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
+        local = [t.requires_grad_() for t in local]
+        dout_r = shard_sequence(dout, 2, rank, cp_layout)
+        attention = ContextParallelAttention(meshes.cp, method, cp_layout, scale=0.25)
+        layout._index_tensor.cache_clear()  # this case's first step builds its index tensors
+        steps = []
+        for _ in range(2):
+            check, host = KernelInputCheck(), HostDataCounter()
+            with check, host:
+                out = _step(attention, local, dout_r)
+            steps.append((check.forward_calls, check.backward_calls, check.problems, host.calls))
+        sentinel = None
+        if sentinel_cls is not None:
+            with sentinel_cls() as s:
+                _step(attention, local, dout_r)
+            sentinel = repr(s)
+        got = [out.detach(), *(t.grad for t in local)]
+        err = max((g.double() - shard_sequence(r, 2, rank, cp_layout)).abs().max().item() for g, r in zip(got, ref))
+        report[(method, load_balance, shape, str(dtype))] = (steps, err, sentinel)
+    return report
+
+
+def test_kernel_inputs_meet_cuda_preconditions_and_steps_do_not_sync():
+    for rank_report in run_on_ranks(_watch, 2, timeout=300):
+        for case, (steps, err, _sentinel) in rank_report.items():
+            assert err < (1e-5 if "float32" in case[3] else 5e-2), (case, err)
+            for fwd, bwd, problems, _host in steps:
+                assert fwd > 0 and bwd > 0, case  # the mode saw the kernels
+                assert problems == [], (case, problems)
+            first_host, second_host = steps[0][3], steps[1][3]
+            # The first step builds each distinct chunk-order index once (the ring needs none), then
+            # no step builds any.
+            orders = {tuple(SequenceLayout(2, case[1]).rank_order()), tuple(SequenceLayout(2, case[1]).natural_order())}
+            assert len(first_host) == (0 if case[0] == "ring" else len(orders)), (case, first_host)
+            assert all(call.startswith("tensor from Python data at ") and "layout.py" in call for call in first_host), (
+                first_host
+            )
+            assert second_host == [], (case, second_host)
+
+
+def test_checks_see_what_the_cuda_kernels_would_break():
+    """The checks are not vacuous: an lse slice, K/V columns of a [K | V] buffer, a transposed lse
+    from the CPU kernel, and torch.tensor inside a step are each caught."""
+    q, k, v, dout = random_qkv(2, 4, 2, 12, 16, 16)
+    acc = MergedAttention(q, 16)
+    acc.lse.copy_(torch.randn(acc.lse.shape))
+    out = torch.randn(2, 4, 12, 16)
+    kv = torch.cat([k, v], dim=-1)
+    check = KernelInputCheck()
+    with check:
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, kv[..., :16], kv[..., 16:], 0.0, True, scale=0.3)
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout[:, :, 4:], q[:, :, 4:], k, v, out[:, :, 4:], acc.lse[:, :, 4:], 0.0, False, scale=0.3
+        )
+    assert check.forward_calls == 1 and check.backward_calls == 1
+    assert any("k: row stride 32" in p for p in check.problems), check.problems
+    assert any("v: row stride 32" in p for p in check.problems), check.problems
+    assert any("lse: not contiguous" in p for p in check.problems), check.problems
+    _, lse_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=0.3)
+    assert not lse_cpu.is_contiguous()  # why attention_forward returns it made dense
+    # Our blocks hand the same slices over made dense.
+    check = KernelInputCheck()
+    with check:
+        blocks_backward(
+            torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dout, q, k, v, out, acc.lse,
+            [layout.Block(1, 2, 0, 1, False)], 6, 0.3,
+        )
+    assert check.backward_calls == 1 and check.problems == []
+    host = HostDataCounter()
+    with host:
+        torch.tensor([1, 2])
+        torch.ones(3).sum().item()
+    assert [c.split(" at ")[0] for c in host.calls] == ["tensor from Python data", "read to the host (.item() / bool())"]
+    assert all(__file__ in c for c in host.calls), host.calls
