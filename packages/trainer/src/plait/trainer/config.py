@@ -208,6 +208,11 @@ class CheckpointConfig:
     load_step: int = -1
     """Resume from step-<load_step> (-1: the newest complete checkpoint, skipping incomplete ones
     with a warning). A requested checkpoint that is missing or incomplete is an error."""
+    allow_fresh_start: bool = False
+    """With enable: when `folder` holds checkpoints but none of them can be resumed (all damaged),
+    train from step 1 anyway instead of stopping with an error. The damaged checkpoints are kept
+    (renamed step-N.rejected-<run id> when this run saves the same step) and metrics.jsonl is kept
+    as metrics.jsonl.replaced-<run id>."""
     create_seed_checkpoint: bool = False
     """Initialise the model on one process, save it (model only) as <folder>/step-000000 and exit.
     Runs on any layout then start from those weights (auto-resume, or initial_load_path)."""

@@ -13,14 +13,12 @@ those recorded in the checkpoint's marker. The trainer uses the same functions f
 import argparse
 import dataclasses
 import json
-import os
-import shutil
 import sys
 from pathlib import Path
 
 import torch
 
-from . import store
+from . import hf_output, store
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -33,6 +31,38 @@ def _spec_and_args(model: str, flavor: str, model_args=None):
     if flavor not in spec.flavors:
         raise store.CheckpointError(f"{model} has no flavor {flavor!r} (flavors: {', '.join(spec.flavors)})")
     return spec, model_args if model_args is not None else spec.flavors[flavor]
+
+
+# Arguments that only size RoPE tables or shape the initialisation: not the trained model.
+NOT_RECORDED = ("max_seq_len", "depth_init")
+
+
+def args_record(model_args) -> dict | None:
+    """A model's arguments as JSON values, as a checkpoint's marker records them."""
+    if model_args is None:
+        return None
+    from ..validate import model_args_dict
+
+    return json.loads(json.dumps(model_args_dict(model_args)))
+
+
+def recorded_args(model: str, flavor: str, meta: dict):
+    """The model arguments a checkpoint was trained with (its flavor after the run's overrides),
+    or None for checkpoints that predate the record (the flavor's own)."""
+    saved = meta.get("model_args")
+    if not saved:
+        return None
+    from ..config import build_config
+    from ..validate import resolve_model_args
+
+    config = build_config({}, [])
+    config.model.name, config.model.flavor = model, flavor
+    spec, _ = _spec_and_args(model, flavor)
+    config.model.args = {k: v for k, v in saved.items() if k not in NOT_RECORDED}
+    try:
+        return resolve_model_args(config, spec)
+    except ValueError as e:  # ConfigError: a field this version of the model does not have
+        raise store.CheckpointError(f"the model arguments recorded in the checkpoint do not fit {model} ({e})") from None
 
 
 def read_model_state(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -61,30 +91,32 @@ def read_model_state(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
 
 def export(
     state_dict: dict[str, torch.Tensor], model: str, flavor: str, output: str | Path, dtype: torch.dtype,
-    model_args=None,
+    model_args=None, where: str = "--output", origin: dict | None = None,
 ) -> Path:
-    """Write `state_dict` (plait names, full tensors) as a Hugging Face folder, atomically."""
+    """Write `state_dict` (plait names, full tensors) as a Hugging Face folder, atomically, into a
+    new or empty folder or over an earlier export (hf_output.py; anything else is refused)."""
     from plait.models.hf.convert import check_matches_model
     from plait.models.hf.io import save_safetensors
 
     spec, args = _spec_and_args(model, flavor, model_args)
     check_matches_model(state_dict, spec.model_cls, args)
-    output = Path(output)
-    tmp = output.with_name(output.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_safetensors(spec.hf_adapter.to_hf(state_dict, args), tmp, dtype=dtype)
-    return publish_hf_folder(tmp, output, spec, args, dtype)
+    output = hf_output.check_output(output, where)
+    tmp = hf_output.make_temp(output, origin or {})
+    try:
+        save_safetensors(spec.hf_adapter.to_hf(state_dict, args), tmp, dtype=dtype)
+        return publish_hf_folder(tmp, output, spec, args, dtype, where)
+    except BaseException:
+        hf_output.discard(tmp)
+        raise
 
 
-def publish_hf_folder(tmp: Path, output: Path, spec, args, dtype: torch.dtype) -> Path:
-    """Write `config.json` into the finished `tmp` folder and move it to `output` in one rename."""
+def publish_hf_folder(tmp: Path, output: Path, spec, args, dtype: torch.dtype, where: str = "--output") -> Path:
+    """Write `config.json` into the finished `tmp` folder and move it to `output` in one rename
+    (replacing only an earlier export of ours)."""
     config = spec.hf_adapter.hf_config(args)
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    if output.exists():
-        shutil.rmtree(output)
-    os.replace(tmp, output)
-    return output
+    return hf_output.publish(tmp, output, where)
 
 
 def _matching_model(config: dict) -> str | None:
@@ -166,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flavor", help="model flavor (default: the one recorded in the checkpoint)")
     args = parser.parse_args(argv)
     try:
+        # Before anything is read: the output must not be (or hold) the checkpoint or its run.
+        hf_output.check_output(args.output, "--output", protected=[Path(args.checkpoint)])
         state_dict, meta = read_model_state(args.checkpoint)
         model = args.model or meta.get("model")
         flavor = args.flavor or meta.get("flavor")
@@ -173,7 +207,21 @@ def main(argv: list[str] | None = None) -> int:
             raise store.CheckpointError(
                 f"checkpoint {args.checkpoint} does not record its model: pass --model and --flavor"
             )
-        out = export(state_dict, model, flavor, args.output, DTYPES[args.dtype])
+        # The arguments it was trained with (its [model] overrides too); only with its own model.
+        same = model == meta.get("model") and flavor == meta.get("flavor")
+        model_args = recorded_args(model, flavor, meta) if same else None
+        origin = {"checkpoint": str(Path(args.checkpoint).resolve()), "step": meta.get("step")}
+        try:
+            out = export(state_dict, model, flavor, args.output, DTYPES[args.dtype], model_args, origin=origin)
+        except ValueError as e:
+            if isinstance(e, store.CheckpointError):
+                raise
+            detail = str(e).splitlines()[1].strip() if "\n" in str(e) else str(e)
+            recorded = ("with the model arguments it records" if model_args is not None else
+                        "and records no model arguments (saved before they were): pass the --model / --flavor "
+                        "it was trained with")
+            raise store.CheckpointError(f"checkpoint {args.checkpoint} is not {model} {flavor} ({detail}) {recorded}"
+                                        ) from None
     except (store.CheckpointError, ValueError, KeyError) as e:
         print(f"hf_export: error: {e}", file=sys.stderr)
         return 2

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import shutil
 from pathlib import Path
 
 import torch
@@ -28,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from . import hf_export, store
+from . import hf_export, hf_output, store
 
 _LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.")
 
@@ -200,18 +199,28 @@ def load_hf_sharded(model: torch.nn.Module, path: str | Path, model_name: str, f
 def export_hf_sharded(model: torch.nn.Module, output: str | Path, model_name: str, flavor: str, dtype: torch.dtype,
                       model_args=None) -> Path:
     """Write `model` as a Hugging Face folder from all ranks (collective: every rank calls it)."""
-    from safetensors.torch import save_file
-
-    from plait.models.hf.io import INDEX_FILE
+    from plait.models.hf.io import INDEX_FILE, save_file_like_open
 
     spec, args = hf_export._spec_and_args(model_name, flavor, model_args)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    output = Path(output)
-    tmp = output.with_name(output.name + ".tmp")
+    # Rank 0 checks the output (a new or empty folder, or an earlier export: hf_output.py) and
+    # makes the marked temporary folder; every rank learns its name, or the same one-line error.
+    where = "checkpoint.last_save_in_hf"
+    verdict = None
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        try:
+            out = hf_output.check_output(output, where)
+            verdict = ("ok", str(hf_output.make_temp(out, {"model": model_name, "flavor": flavor})))
+        except (store.CheckpointError, OSError) as e:
+            verdict = ("error", f"{where}: cannot write {output}: {e}")
+    if dist.is_initialized():
+        box = [verdict]
+        dist.broadcast_object_list(box, src=0)
+        verdict = box[0]
+    if verdict[0] == "error":
+        raise store.CheckpointError(verdict[1])
+    output, tmp = Path(output), Path(verdict[1])
     local = get_model_state_dict(model)
     groups: dict[int, list[str]] = {}
     for name in local:
@@ -234,7 +243,7 @@ def export_hf_sharded(model: torch.nn.Module, output: str | Path, model_name: st
     file = f"model-{rank + 1:05d}-of-{writers:05d}.safetensors"
     _barrier()  # rank 0 has made the folder
     if mine:
-        save_file(_unshared(mine), str(tmp / file), metadata={"format": "pt"})
+        save_file_like_open(_unshared(mine), tmp / file, metadata={"format": "pt"})  # 0644, not 0600
     listing = {name: (file, t.numel() * t.element_size()) for name, t in mine.items()}
     listings = [listing]
     if dist.is_initialized():
@@ -245,8 +254,18 @@ def export_hf_sharded(model: torch.nn.Module, output: str | Path, model_name: st
         total = sum(size for lst in listings for _, size in lst.values())
         (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total},
                                                   "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
-        hf_export.publish_hf_folder(tmp, output, spec, args, dtype)
-    _barrier()
+        try:
+            hf_export.publish_hf_folder(tmp, output, spec, args, dtype, where)
+            verdict = ("ok", "")
+        except (store.CheckpointError, OSError) as e:
+            hf_output.discard(tmp)
+            verdict = ("error", f"{where}: cannot write {output}: {e}")
+    if dist.is_initialized():  # every rank ends with rank 0's verdict, none waits alone
+        box = [verdict]
+        dist.broadcast_object_list(box, src=0)
+        verdict = box[0]
+    if verdict[0] == "error":
+        raise store.CheckpointError(verdict[1])
     return output
 
 

@@ -28,7 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..config import Config
-from . import hf_export, hf_sharded, state, store
+from . import hf_export, hf_output, hf_sharded, state, store
 from .store import CheckpointError
 
 # Test hooks (the checkpoint tests' only way to die at an exact point): SIGKILL every rank right
@@ -81,6 +81,7 @@ class CheckpointManager:
         self.last_good: tuple[int, Path] | None = None  # (step, path) of the newest finite state on disk
         self.resumed_from: tuple[int, Path] | None = None  # (step, path) this run resumed from
         self._rejected: set[str] = set()  # rank 0: checkpoints found damaged while choosing
+        self.model_args = hf_export.args_record(getattr(model, "args", None))
         if self.c.enable and self.c.async_mode == "async" and dist.is_initialized():
             # Collectives of the background writer must not interleave with training's.
             self.async_group = dist.new_group(backend="gloo")
@@ -110,13 +111,36 @@ class CheckpointManager:
         """Restore what the configuration asks for; return the last completed step (0: a new run)."""
         # Shapes on every rank before rank 0 decides alone (no rank may enter a collective by itself).
         self._shapes = {name: tuple(t.shape) for name, t in state.model_state(self.model).items()}
+        if self.c.enable and self.c.last_save_in_hf and not self.c.create_seed_checkpoint:
+            # Before step 1, not after the whole run: the export's folder must be ours to write.
+            output = self._hf_output(self.config.training.steps)
+            self._agree(lambda: str(hf_output.check_output(output, "checkpoint.last_save_in_hf")))
         if self.c.enable and not self.c.create_seed_checkpoint:
             path, meta = self._choose_verified()
             if path is not None:
                 return self._load(Path(path), meta)
+            self._agree(self._fresh_start_allowed)
         if self.c.initial_load_path:
             self._load_initial()
         return 0
+
+    def _fresh_start_allowed(self) -> None:
+        """Rank 0: nothing can be resumed. Over a folder that holds checkpoints that is an error
+        unless checkpoint.allow_fresh_start; then the old metrics are kept under another name."""
+        found = [path.name for _, path in store.checkpoints(self.folder)]
+        if not found:
+            return
+        if not self.c.allow_fresh_start:
+            raise CheckpointError(
+                f"checkpoint.folder {self.folder} holds {len(found)} checkpoints ({', '.join(found[-3:])}) and none "
+                "can be resumed (see the warnings above): repair or move them, or pass "
+                "--checkpoint.allow_fresh_start true to train from step 1 (they are kept)"
+            )
+        metrics = Path(self.config.job.dump_folder) / "metrics.jsonl"
+        if metrics.is_file():
+            kept = metrics.with_name(f"metrics.jsonl.replaced-{self.run_id}")
+            os.replace(metrics, kept)
+            self._log(f"training from step 1 (checkpoint.allow_fresh_start); the earlier metrics are in {kept.name}")
 
     def _agree(self, decide):
         """Run `decide()` on rank 0 and share its (result, meta) or its CheckpointError with all ranks."""
@@ -138,8 +162,10 @@ class CheckpointManager:
             path, meta = self._agree(self._choose)
             if path is None:
                 return None, None
-            problem = self._verify(Path(path), meta)
+            problem, rng_problem = self._verify(Path(path), meta)
             if problem is None:
+                if rng_problem:
+                    meta = dict(meta, **{store.RNG_PROBLEM: meta.get(store.RNG_PROBLEM) or rng_problem})
                 return path, meta
             if self.c.load_step >= 0:
                 raise CheckpointError(
@@ -150,12 +176,18 @@ class CheckpointManager:
                 print(f"plait-train: warning: checkpoint: skipping {problem}", flush=True)
                 self._rejected.add(path)
 
-    def _verify(self, path: Path, meta: dict) -> str | None:
-        """Every rank hashes every world_size-th recorded file; the first problem any rank found."""
+    def _verify(self, path: Path, meta: dict) -> tuple[str | None, str | None]:
+        """Every rank hashes every world_size-th recorded file; the first problem any rank found
+        in the model / optimizer files, and the first in the RNG files (which alone do not reject
+        a checkpoint: it resumes re-seeded)."""
         world = dist.get_world_size() if dist.is_initialized() else 1
-        names = sorted(meta.get("checksums") or {})
-        problem = store.verify_checksums(path, meta, names[self.rank :: world])
-        return next((p for p in _all_gather(problem) if p), None)
+        names = sorted(meta.get("checksums") or {})[self.rank :: world]
+        rng_names = [n for n in names if store.is_rng_file(n)]
+        rng_names = [n for n in rng_names if (Path(path) / n).is_file()]  # a missing one: check() noted it
+        problem = store.verify_checksums(path, meta, [n for n in names if not store.is_rng_file(n)])
+        rng_problem = store.verify_checksums(path, meta, rng_names)
+        gathered = _all_gather((problem, rng_problem))
+        return next((p for p, _ in gathered if p), None), next((r for _, r in gathered if r), None)
 
     def _choose(self) -> tuple[str | None, dict | None]:
         step = self.c.load_step
@@ -225,7 +257,7 @@ class CheckpointManager:
         step, saved_settings = state.load_train_state(sd[state.TRAIN_STATE], self.scheduler, self.loader)
         changes = state.apply_configured_schedule(self.optimizer, self.scheduler, self.config, saved_settings)
         same_layout = meta.get("world_size") == self.dims.world_size and meta.get("layout") == self.layout
-        rng = same_layout and state.load_rng(path, self.rank)
+        rng = same_layout and self._load_rng(path, meta, step)
         how = "same layout" if same_layout else f"resharded from {meta.get('world_size')} ranks {meta.get('layout')}"
         self._log(
             f"resuming from {path} (step {step}, {how}{', RNG restored' if rng else ''}) "
@@ -238,6 +270,28 @@ class CheckpointManager:
             )
         self.last_good = self.resumed_from = (step, path)
         return step
+
+    def _load_rng(self, path: Path, meta: dict, step: int) -> bool:
+        """Restore this rank's RNG states; when any rank's RNG file is damaged, every rank is
+        re-seeded from job.seed and the step instead (a warning says so) and the run goes on."""
+        problem = meta.get(store.RNG_PROBLEM)
+        if problem is None:
+            try:
+                state.load_rng(path, self.rank)
+            except CheckpointError as e:
+                problem = str(e)
+        problems = [p for p in _all_gather(problem) if p]
+        if not problems:
+            return True
+        state.reseed(self.config.job.seed + step)
+        if self.rank == 0:
+            print(
+                f"plait-train: warning: checkpoint: {problems[0]}: model, optimizer and data position are intact, so "
+                f"the run resumes, with every random number generator re-seeded from job.seed + {step} instead of "
+                "restored (random draws from here on differ from an uninterrupted run's)",
+                flush=True,
+            )
+        return False
 
     def _load_initial(self) -> None:
         path = Path(self.c.initial_load_path)
@@ -255,7 +309,7 @@ class CheckpointManager:
             return str(path), meta
 
         _, meta = self._agree(decide)
-        problem = self._verify(path, meta)
+        problem, _ = self._verify(path, meta)  # only its model is loaded
         if problem:
             raise CheckpointError(f"{problem}; checkpoint.initial_load_path names it: use another checkpoint")
         sd = {state.MODEL: state.model_state(self.model)}
@@ -293,6 +347,7 @@ class CheckpointManager:
             "layout": self.layout,
             "model": c.model.name,
             "flavor": c.model.flavor,
+            "model_args": self.model_args,  # the flavor after this run's [model] overrides
             "dtype": c.training.dtype,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "format": 1,
@@ -356,7 +411,10 @@ class CheckpointManager:
         meta.update(run_id=self.run_id, published=store.next_publication(self.folder))
         store.write_marker(tmp, meta, crcs)
         final = self.folder / store.step_name(step)
-        store.publish(tmp, final)
+        # A checkpoint this run rejected (damaged) is never overwritten: it is renamed and kept.
+        kept = store.publish(tmp, final, keep_as=f"rejected-{self.run_id}" if str(final) in self._rejected else None)
+        if kept is not None:
+            self._log(f"kept the damaged checkpoint that held this step as {kept.name}")
         if not meta["model_only"]:
             self.last_good = (step, final)
         removed = store.prune(self.folder, self.c.keep_last)
@@ -384,10 +442,13 @@ class CheckpointManager:
         if self.rank == 0:
             self._publish(step, tmp, dict(meta, crcs=crcs), f"written in the background, waited {waited:.2f} s")
 
+    def _hf_output(self, step: int) -> Path:
+        return self.folder / f"hf-{store.step_name(step)}"
+
     def _export_hf(self, step: int) -> None:
         # Every rank writes its share of the layers (hf_sharded.py); rank 0 the index and config.
         out = hf_sharded.export_hf_sharded(
-            self.model, self.folder / f"hf-{store.step_name(step)}", self.config.model.name,
+            self.model, self._hf_output(step), self.config.model.name,
             self.config.model.flavor, hf_export.DTYPES[self.c.export_dtype],
             getattr(self.model, "args", None),  # the flavor with this run's [model] overrides
         )

@@ -130,6 +130,13 @@ def save_rng(path: Path, rank: int) -> None:
     torch.save(state, rng_file(path, rank))
 
 
+def reseed(seed: int) -> None:
+    """Every generator a checkpoint's RNG file restores, seeded from `seed` instead."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+
+
 def load_rng(path: Path, rank: int) -> bool:
     """Restore this rank's RNG states if the checkpoint has them; return whether it did."""
     file = rng_file(path, rank)

@@ -35,6 +35,13 @@ _TMP = re.compile(r"step-(\d+)\.tmp-([0-9a-f]+)")
 # Files a rank writes itself: DCP's data files __<rank>_<n>.distcp and the RNG file rng-rank<rank>.pt.
 _RANK_FILE = re.compile(r"__(\d+)_.*|rng-rank(\d+)\.pt")
 _CHUNK = 8 << 20
+_RNG_FILE = re.compile(r"rng-rank\d+\.pt")
+# Key `check` adds to the metadata it returns when only an RNG file is damaged.
+RNG_PROBLEM = "rng_problem"
+
+
+def is_rng_file(name: str) -> bool:
+    return _RNG_FILE.fullmatch(name) is not None
 
 
 class CheckpointError(ConfigError):
@@ -170,12 +177,16 @@ def check(path: Path) -> dict:
     meta = read_marker(path)
     for name, size in meta["files"].items():
         file = path / name
+        problem = None
         if not file.is_file():
-            raise CheckpointError(f"checkpoint {path} is corrupt: {name} is missing")
-        if file.stat().st_size != size:
-            raise CheckpointError(
-                f"checkpoint {path} is corrupt: {name} has {file.stat().st_size} bytes, the save wrote {size}"
-            )
+            problem = f"checkpoint {path} is corrupt: {name} is missing"
+        elif file.stat().st_size != size:
+            problem = f"checkpoint {path} is corrupt: {name} has {file.stat().st_size} bytes, the save wrote {size}"
+        if problem and is_rng_file(name):
+            # Model and optimizer may still be whole: the run resumes re-seeded (manager.py).
+            meta.setdefault(RNG_PROBLEM, problem)
+        elif problem:
+            raise CheckpointError(problem)
     if DCP_METADATA not in meta["files"]:
         raise CheckpointError(f"checkpoint {path} is corrupt: no DCP {DCP_METADATA} file")
     from torch.distributed.checkpoint import FileSystemReader
@@ -238,17 +249,25 @@ def newest_complete(folder: Path, skip: set | None = None) -> tuple[Path | None,
     return None, None, warnings
 
 
-def publish(tmp: Path, final: Path) -> None:
-    """Rename a finished temporary folder to its final name (replacing an older save of that step)."""
+def publish(tmp: Path, final: Path, keep_as: str | None = None) -> Path | None:
+    """Rename a finished temporary folder to its final name. An older save of that step is
+    replaced, or with `keep_as` (a checkpoint this run rejected) renamed `step-N.<keep_as>` and
+    kept; returns that path."""
+    kept = None
     if final.exists():
-        old = final.with_name(final.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
+        old = final.with_name(final.name + (f".{keep_as}" if keep_as else ".old"))
+        if not keep_as:
+            shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
         os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
+        if keep_as:
+            kept = old
+        else:
+            shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
     _fsync_dir(final.parent)
+    return kept
 
 
 def prune(folder: Path, keep_last: int) -> list[Path]:

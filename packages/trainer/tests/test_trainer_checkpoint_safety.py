@@ -1,0 +1,182 @@
+"""Issue 27's checkpoint defects, each reproduced with real files (one short CLI run shared by all):
+an export never deletes what it did not write, a run never restarts silently over checkpoints it
+cannot resume, model overrides are recorded, write failures are one line, two runs never share
+a checkpoint folder."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from plait.trainer.checkpoint import hf_export, hf_output, store
+from plait.trainer.testing import cli_env, run_cli
+
+# fmt: off
+TINY = [
+    "--model.n_layers", "2", "--model.rope_theta", "12345",
+    "--training.seq_len", "64", "--training.local_batch_size", "2",
+    "--training.dtype", "float32", "--training.deterministic", "true",
+    "--metrics.cpu_peak_tflops", "0.1", "--metrics.tensorboard", "false", "--metrics.progress_bar", "false",
+    "--metrics.log_freq", "1", "--checkpoint.enable", "true", "--checkpoint.interval", "1",
+]
+# fmt: on
+
+
+def run(dump: Path, *args, expect=0, env=None) -> subprocess.CompletedProcess:
+    return run_cli(dump, *TINY, *args, expect=expect, env=env)
+
+
+def one_error_line(result, prefix="plait-train: error: ") -> str:
+    err = result.stderr.strip()
+    assert "Traceback" not in err and err.count("\n") == 0 and err.startswith(prefix), err
+    return err
+
+
+def listing(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A run of 2 steps of a 2-layer debug model (rope_theta 12345), a checkpoint after each."""
+    dump = tmp_path_factory.mktemp("trained") / "run"
+    run(dump, "--training.steps", "2")
+    return dump
+
+
+def copy_run(trained: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    dump = tmp_path / "run"
+    shutil.copytree(trained, dump)
+    return dump
+
+
+def export_cli(checkpoint: Path, output: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "plait.trainer.checkpoint.hf_export", "--checkpoint", str(checkpoint),
+         "--output", str(output), "--dtype", "float32"],
+        capture_output=True, text=True, timeout=120, env=cli_env(),
+    )  # fmt: skip
+
+
+# ---- 1. an export never deletes what it did not write --------------------------------------------
+
+
+def test_export_refuses_the_run_the_checkpoint_and_foreign_folders_and_changes_nothing(trained, tmp_path):
+    dump = copy_run(trained, tmp_path)
+    checkpoint = dump / "checkpoints" / "step-000002"
+    foreign = tmp_path / "photos"
+    foreign.mkdir()
+    (foreign / "cat.jpg").write_bytes(b"meow")
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    before_run, before_foreign = listing(dump), listing(foreign)
+    # The issue's command first, as a user runs it: a subprocess, one line, exit 2.
+    result = export_cli(checkpoint, dump)
+    assert result.returncode == 2 and "Traceback" not in result.stderr  # (runpy's warning: the noise list)
+    assert "is or holds" in result.stderr.strip().splitlines()[-1]
+    cases = {
+        dump / "checkpoints": "is or holds",
+        checkpoint: "is or holds",
+        checkpoint / "hf": "inside the checkpoint",
+        foreign: "no hf_export wrote",
+        a_file: "not a folder",
+        dump / "checkpoints" / "step-000009": "named like a checkpoint",
+    }
+    for output, message in cases.items():
+        code = hf_export.main(["--checkpoint", str(checkpoint), "--output", str(output), "--dtype", "float32"])
+        assert code == 2, output
+        with pytest.raises(store.CheckpointError, match=message):
+            hf_output.check_output(output, "--output", protected=[checkpoint])
+    assert listing(dump) == before_run and listing(foreign) == before_foreign and a_file.read_text() == "mine"
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+
+
+def test_export_writes_new_folders_and_replaces_only_its_own(trained, tmp_path):
+    checkpoint = trained / "checkpoints" / "step-000002"
+    out = tmp_path / "hf"
+    # A 2-layer checkpoint exports with its recorded model arguments (defect 7).
+    assert hf_export.main(["--checkpoint", str(checkpoint), "--output", str(out), "--dtype", "float32"]) == 0
+    marker = json.loads((out / hf_output.EXPORT_MARKER).read_text())
+    assert marker["step"] == 2 and json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
+    assert json.loads((out / "config.json").read_text())["rope_theta"] == 12345
+    (out / "stale-shard.safetensors").write_text("from the earlier export")
+    assert hf_export.main(["--checkpoint", str(trained / "checkpoints" / "step-000001"), "--output", str(out)]) == 0
+    assert json.loads((out / hf_output.EXPORT_MARKER).read_text())["step"] == 1
+    assert not (out / "stale-shard.safetensors").exists()  # the whole earlier export was replaced
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert hf_export.main(["--checkpoint", str(checkpoint), "--output", str(empty)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "hf"]  # no temporaries left
+
+
+def test_publish_rechecks_the_output_and_the_sharded_export_refuses_foreign_folders(tmp_path):
+    import torch
+
+    from plait.models import get_model_spec
+    from plait.trainer.checkpoint import hf_sharded
+
+    out = tmp_path / "hf"
+    tmp = hf_output.make_temp(out, {})
+    out.mkdir()
+    (out / "precious.txt").write_text("x")  # appeared while the export was being written
+    with pytest.raises(store.CheckpointError, match="no hf_export wrote"):
+        hf_output.publish(tmp, out, "--output")
+    assert (out / "precious.txt").read_text() == "x"
+    hf_output.discard(tmp)
+    spec = get_model_spec("llama3")
+    import dataclasses
+
+    args = dataclasses.replace(spec.flavors["debugmodel"], n_layers=1, dim=64, n_heads=4, n_kv_heads=4)
+    model = spec.model_cls(args)
+    with pytest.raises(store.CheckpointError, match="checkpoint.last_save_in_hf.*no hf_export wrote"):
+        hf_sharded.export_hf_sharded(model, out, "llama3", "debugmodel", torch.float32, args)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"] and (out / "precious.txt").read_text() == "x"
+    written = hf_sharded.export_hf_sharded(model, tmp_path / "new", "llama3", "debugmodel", torch.float32, args)
+    assert hf_output.is_our_export(written) and (written / "config.json").is_file()
+
+
+# ---- 2. no silent restart over checkpoints that cannot be resumed ------------------------------
+
+
+def flip(file: Path) -> None:
+    """Damage a file in place, keeping its size: only the checksum can tell."""
+    data = bytearray(file.read_bytes())
+    for i in range(len(data) // 2, len(data) // 2 + 16):
+        data[i] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+def test_damaged_rng_files_resume_reseeded(trained, tmp_path):
+    dump = copy_run(trained, tmp_path)
+    for step in (1, 2):
+        flip(dump / "checkpoints" / store.step_name(step) / "rng-rank00000.pt")
+    rows_before = (dump / "metrics.jsonl").read_text().splitlines()
+    result = run(dump, "--training.steps", "3")
+    assert "resuming from" in result.stdout and "step-000002 (step 2" in result.stdout, result.stdout
+    assert "re-seeded from job.seed + 2" in result.stdout and "rng-rank00000.pt does not match" in result.stdout
+    rows = (dump / "metrics.jsonl").read_text().splitlines()
+    assert rows[:2] == rows_before and [json.loads(r)["step"] for r in rows] == [1, 2, 3]
+
+
+def test_no_fresh_start_over_damaged_checkpoints_without_the_flag(trained, tmp_path):
+    dump = copy_run(trained, tmp_path)
+    for step in (1, 2):
+        flip(dump / "checkpoints" / store.step_name(step) / "__0_0.distcp")
+    before = listing(dump)
+    result = run(dump, "--training.steps", "2", expect=2)
+    err = one_error_line(result)
+    assert "none can be resumed" in err and "--checkpoint.allow_fresh_start true" in err
+    assert {k: v for k, v in listing(dump).items() if k != "exit_status"} == {
+        k: v for k, v in before.items() if k != "exit_status"}  # nothing written, nothing replaced
+    damaged = (dump / "checkpoints" / "step-000002" / "__0_0.distcp").read_bytes()
+    old_metrics = (dump / "metrics.jsonl").read_text()
+    result = run(dump, "--training.steps", "2", "--checkpoint.allow_fresh_start", "true")
+    kept = sorted(p.name.split(".")[1].split("-")[0] for p in (dump / "checkpoints").glob("step-00000?.rejected-*"))
+    assert kept == ["rejected", "rejected"], sorted(p.name for p in (dump / "checkpoints").iterdir())
+    assert (next((dump / "checkpoints").glob("step-000002.rejected-*")) / "__0_0.distcp").read_bytes() == damaged
+    assert next(dump.glob("metrics.jsonl.replaced-*")).read_text() == old_metrics
+    assert [row["step"] for row in map(json.loads, (dump / "metrics.jsonl").read_text().splitlines())] == [1, 2]
