@@ -180,3 +180,28 @@ def test_no_fresh_start_over_damaged_checkpoints_without_the_flag(trained, tmp_p
     assert (next((dump / "checkpoints").glob("step-000002.rejected-*")) / "__0_0.distcp").read_bytes() == damaged
     assert next(dump.glob("metrics.jsonl.replaced-*")).read_text() == old_metrics
     assert [row["step"] for row in map(json.loads, (dump / "metrics.jsonl").read_text().splitlines())] == [1, 2]
+
+
+# ---- 7. the model arguments are recorded: resume refuses others, export uses them ---------------
+
+
+def test_resume_with_other_model_arguments_is_refused_naming_them(trained, tmp_path, capsys):
+    dump = copy_run(trained, tmp_path)
+    meta = store.read_marker(dump / "checkpoints" / "step-000002")
+    assert meta["model_args"]["n_layers"] == 2 and meta["model_args"]["rope_theta"] == 12345
+    before = listing(dump)
+    result = run(dump, "--training.steps", "3", "--model.rope_theta", "500000", "--model.norm_eps", "1e-6", expect=2)
+    err = one_error_line(result)
+    assert "other model arguments" in err and "norm_eps 1e-05 (now 1e-06)" in err and "rope_theta 12345" in err
+    assert "--model.rope_theta 12345" in err
+    assert {k: v for k, v in listing(dump).items() if k != "exit_status"} == {
+        k: v for k, v in before.items() if k != "exit_status"}
+    # A checkpoint from before the record: the export's error says what is missing, truthfully.
+    marker = dump / "checkpoints" / "step-000002" / store.MARKER
+    body = json.loads(marker.read_text())
+    del body["model_args"]
+    marker.write_text(json.dumps(body))
+    code = hf_export.main(["--checkpoint", str(marker.parent), "--output", str(tmp_path / "hf")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0 and "records no model arguments" in err and "layers.2" in err, err
+    assert not (tmp_path / "hf").exists()

@@ -211,8 +211,25 @@ class CheckpointManager:
                 print(f"plait-train: warning: checkpoint: {warning}", flush=True)
             if path is None:
                 return None, None
+        self._check_model_args(path, meta)
         self._check_model(path, meta)
         return str(path), meta
+
+    def _check_model_args(self, path: Path, meta: dict) -> None:
+        """Resuming continues the same model: its arguments (the flavor after [model] overrides)
+        must be the checkpoint's, not only its shapes (rope_theta, norm_eps change no shape)."""
+        saved, ours = meta.get("model_args"), self.model_args
+        if not saved or not ours or meta.get("model") != self.config.model.name:
+            return  # a checkpoint from before the record; another model fails on its names below
+        skip = hf_export.NOT_RECORDED
+        differ = [k for k in sorted(saved.keys() | ours.keys()) if k not in skip and saved.get(k) != ours.get(k)]
+        if differ:
+            shown = ", ".join(f"{k} {saved.get(k)!r} (now {ours.get(k)!r})" for k in differ[:6])
+            flags = " ".join(f"--model.{k} {saved.get(k)}" for k in differ[:6] if not isinstance(saved.get(k), dict))
+            raise CheckpointError(
+                f"checkpoint {path} was trained with other model arguments ({meta.get('flavor')} flavor): {shown}; "
+                f"resume with the checkpoint's ({flags}) or use another checkpoint.folder"
+            )
 
     def _check_model(self, path: Path, meta: dict) -> None:
         """The checkpoint must hold this model: same parameter names and global shapes."""
