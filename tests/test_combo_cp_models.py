@@ -1,10 +1,12 @@
 """plait.contextparallel x models (+ data, tensor parallel, activation checkpointing, compile):
 training with the sequence sharded over cp ranks reproduces the single-process run step for step.
 
-Llama 3 debug (2 layers, seq 64): CP 2 with each method, without load balancing, with full /
-selective activation checkpointing, gradient accumulation and compile; CP 4 ring; FSDP 2 x CP 2;
-TP 2 x CP 2 with and without sequence parallel; HSDP 2x2 x CP 2 on 8 ranks. DeepSeek-V3 debug
-(MLA: q/k head dim 192, v 128; one dense and one MoE block): CP 2 allgather and ulysses.
+What the parity matrix (test_combo_parity_matrix.py: CP 2 with each method and without load
+balancing, FSDP 2 x CP 2, TP 2 x CP 2 all-gather, HSDP 2x2 x CP 2, both models, through the
+trainer) does not cover, here through the packages' own APIs. Llama 3 debug (2 layers, seq 64):
+CP 2 with full / selective activation checkpointing, gradient accumulation and compile; CP 4 ring
+and Ulysses without load balancing; TP 2 x CP 2 ring with sequence parallel and Ulysses without.
+DeepSeek-V3 debug (MLA: q/k head dim 192, v 128; one dense and one MoE block): CP 2 Ulysses.
 Every batch has ignored labels (-100): the loss is the sum over valid tokens divided by their
 global count, as the trainer computes it. One spawn per world size runs its layouts in turn.
 """
@@ -49,26 +51,17 @@ class Layout:
 
 
 LAYOUTS_2 = {
-    "llama_cp2_allgather": Layout("llama3", dict(cp=2, dp_shard=1)),
-    "llama_cp2_ring": Layout("llama3", dict(cp=2, dp_shard=1), "ring"),
-    "llama_cp2_ulysses": Layout("llama3", dict(cp=2, dp_shard=1), "ulysses"),
-    "llama_cp2_ring_contiguous": Layout("llama3", dict(cp=2, dp_shard=1), "ring", load_balance=False),
     "llama_cp2_allgather_full_ac_accum2": Layout("llama3", dict(cp=2, dp_shard=1), accumulation=2, checkpoint="full"),
     "llama_cp2_ring_selective_ac_compile": Layout(
         "llama3", dict(cp=2, dp_shard=1), "ring", checkpoint="selective", compile=True
     ),
-    "deepseek_cp2_allgather": Layout("deepseek_v3", dict(cp=2, dp_shard=1)),
     "deepseek_cp2_ulysses": Layout("deepseek_v3", dict(cp=2, dp_shard=1), "ulysses"),
 }
 LAYOUTS_4 = {
     "llama_cp4_ring": Layout("llama3", dict(cp=4, dp_shard=1), "ring"),
     "llama_cp4_ulysses_contiguous": Layout("llama3", dict(cp=4, dp_shard=1), "ulysses", load_balance=False),
-    "llama_fsdp2_cp2": Layout("llama3", dict(cp=2, dp_shard=2)),
     "llama_tp2_cp2_sp": Layout("llama3", dict(cp=2, tp=2, dp_shard=1), "ring"),
     "llama_tp2_cp2": Layout("llama3", dict(cp=2, tp=2, dp_shard=1), "ulysses", sequence_parallel=False),
-}
-LAYOUTS_8 = {
-    "llama_hsdp2x2_cp2": Layout("llama3", dict(cp=2, dp_shard=2, dp_replicate=2), "ring"),
 }
 
 
@@ -200,6 +193,3 @@ def test_cp_layouts_on_2_ranks(references):
 def test_cp_with_fsdp_and_tp_on_4_ranks(references):
     _check(run_on_ranks(_run_layouts, 4, LAYOUTS_4, timeout=300), references, LAYOUTS_4)
 
-
-def test_hsdp_with_cp_on_8_ranks(references):
-    _check(run_on_ranks(_run_layouts, 8, LAYOUTS_8, timeout=300), references, LAYOUTS_8)

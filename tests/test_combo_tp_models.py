@@ -1,11 +1,13 @@
 """plait.tensorparallel (+ plait.dataparallel) x plait.models: the Llama 3 and DeepSeek-V3 debug
-models (2 layers, seq 64) under TP 2 / 4 with and without sequence and loss parallel, FSDP 2 x TP 2,
-FSDP 4 x TP 2 and HSDP 2x2 x TP 2 reproduce the single-process run step for step.
+models (2 layers, seq 64) under TP 4 with and without sequence and loss parallel, TP 2 with
+sequence or loss parallel alone, and FSDP 2 x TP 2 (with the sequence-wise aux loss too) reproduce
+the single-process run step for step, through the packages' own APIs. (TP 2 / FSDP x TP / HSDP x TP
+through the trainer, both models, fp32 and bf16: the parity matrix.)
 
 The trainer's flow: build on meta, tensor parallel from the model's own plan, data parallel by its
 blocks, `to_empty`, `init_weights()` (RoPE buffers), then load the seed checkpoint: the full state
-dict of a single-process model initialised from a fixed seed. One 4-rank and one 8-rank spawn run
-every layout in turn, each on fresh meshes.
+dict of a single-process model initialised from a fixed seed. One 4-rank spawn runs every layout
+in turn, each on fresh meshes.
 """
 
 import dataclasses
@@ -35,7 +37,7 @@ deepseek_v3 = pytest.importorskip("plait.models.deepseek_v3")
 BATCH, SEQ, STEPS, LR, MAX_NORM = 4, 64, 5, 0.1, 1.0
 MODELS = ("llama3", "deepseek_v3")
 AUX_MODEL = "deepseek_v3_aux"  # DeepSeek-V3 with the sequence-wise aux loss, on the layouts below
-AUX_LAYOUTS = ("tp4_sp_lp", "tp2_sp", "fsdp2_tp2_sp_lp", "hsdp2x2_tp2_sp_lp")
+AUX_LAYOUTS = ("tp4_sp_lp", "tp2_sp", "fsdp2_tp2_sp_lp")
 
 # name -> (ParallelDims degrees, sequence_parallel, loss_parallel, data parallel). TP 2 on 4 ranks
 # fills the world with dp_shard = 2 but applies no data parallel: every rank sees the whole batch.
@@ -45,10 +47,6 @@ LAYOUTS_4 = {
     "tp2_sp": (dict(tp=2, dp_shard=2), True, False, False),
     "tp2_lp": (dict(tp=2, dp_shard=2), False, True, False),
     "fsdp2_tp2_sp_lp": (dict(tp=2, dp_shard=2), True, True, True),
-}
-LAYOUTS_8 = {
-    "fsdp4_tp2_sp_lp": (dict(tp=2, dp_shard=4), True, True, True),
-    "hsdp2x2_tp2_sp_lp": (dict(tp=2, dp_shard=2, dp_replicate=2), True, True, True),
 }
 
 
@@ -182,7 +180,3 @@ def test_tp_layouts_on_4_ranks(references):
     results = run_on_ranks(_run_layouts, 4, LAYOUTS_4, timeout=300)
     _check(results, references, LAYOUTS_4)
 
-
-def test_fsdp_hsdp_with_tp_on_8_ranks(references):
-    results = run_on_ranks(_run_layouts, 8, LAYOUTS_8, timeout=300)
-    _check(results, references, LAYOUTS_8)
