@@ -70,7 +70,8 @@ def _check(rank, world_size, capacity_factor=0.0, routing="random"):
     holder = nn.Module()
     holder.experts = LoopExperts()
     full = LoopExperts()
-    config = ExpertParallelConfig(capacity_factor=capacity_factor)
+    # Capacity sized by a config row count (the same on every rank by construction: no check, no sync).
+    config = ExpertParallelConfig(capacity_factor=capacity_factor, capacity_rows=ROWS if capacity_factor else None)
     dispatchers = apply_expert_parallel(holder, meshes.ep, ["experts"], config)
     x, counts = _tokens(rank, routing)
     x = x.requires_grad_()

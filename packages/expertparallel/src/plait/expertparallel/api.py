@@ -30,9 +30,15 @@ class ExpertParallelConfig:
     """0: dropless (uneven all-to-all, one host sync per layer). > 0: capacity mode, each (source
     rank, expert) pair sends at most ceil(factor x rows / experts) rows through a static all-to-all
     with no host sync; tokens beyond it are dropped (weight 0) and counted."""
+    capacity_rows: int | None = None
+    """Capacity mode: the routed rows per micro-batch the capacity is sized by, the same on every
+    ep rank by construction (e.g. local batch x seq_len / cp x top_k). None: the rows each rank
+    routes, checked equal over the ep ranks before the first all-to-all (one host sync per MoE
+    layer, again only if the count changes)."""
     alignment: int | None = None
-    """Rows per expert group are padded to a multiple of this for the grouped GEMM (None: 8 on
-    CUDA, where grouped_mm wants aligned groups, 1 elsewhere)."""
+    """Rows per expert group are padded to a multiple of this for the grouped GEMM (None: the
+    experts module's `group_alignment`, the same on every device; plait.models.moe.kernels says
+    where its rule comes from)."""
 
 
 def validate_expert_parallel(
@@ -136,14 +142,18 @@ def apply_expert_parallel(
                     "experts contract (docs/contracts.md)."
                 )
         _shard_experts(module, ep_mesh, ep_etp_mesh)
-        device = next(module.parameters()).device
-        alignment = config.alignment or (8 if device.type == "cuda" else 1)
+        # One padding rule on every path and device: the module's (CPU tensors are CUDA's tensors).
+        alignment = config.alignment or getattr(module, "group_alignment", 1)
         if config.capacity_factor > 0:
-            dispatcher = CapacityDispatcher(ep_mesh.get_group(), num_experts, config.capacity_factor)
+            dispatcher = CapacityDispatcher(
+                ep_mesh.get_group(), num_experts, config.capacity_factor, alignment, config.capacity_rows
+            )
         else:
             dispatcher = AllToAllDispatcher(
                 ep_mesh.get_group(), num_experts, module.permute_and_pad, module.unpermute, alignment
             )
+        if hasattr(module, "pad_groups"):
+            module.pad_groups = False  # the dispatcher hands it aligned groups
         hooks = _DispatchHooks(dispatcher, split)
         module.register_forward_pre_hook(hooks.before)
         module.register_forward_hook(hooks.after)

@@ -6,8 +6,13 @@ layer never waits on the host. A token whose position within its expert exceeds 
 dropped: it sends nothing and its routed output is zero (its weight is 0); `dropped` counts them
 on the device. Unused rows are zeros, and a bias-free SwiGLU expert maps zeros to zeros, so with a
 capacity above the largest load the result equals dropless dispatch exactly. The capacity comes
-from the number of routed rows, which must be the same on every ep rank (equal local batches, as
-in training): the block sizes of the all-to-all are never exchanged.
+from a number of routed rows that must be the same on every ep rank, since the block sizes of
+the all-to-all are never exchanged (a mismatch raises on gloo, hangs or corrupts on NCCL). It is
+true by construction when `capacity_rows` is given (a config value, the same everywhere: the
+rows a rank routes may then differ, only the drops change). Otherwise the capacity comes from the
+rows this rank routes, and before the first all-to-all, and again whenever that count changes,
+the ep ranks compare their counts (one small all-gather and host read, counted in `host_syncs`)
+and raise a one-line error if they differ.
 """
 
 import math
@@ -17,21 +22,33 @@ import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 
-def capacity_per_expert(num_rows: int, num_experts: int, factor: float) -> int:
-    """Rows each (source rank, expert) pair may send: factor x the even share, at least 1."""
-    return max(1, math.ceil(factor * num_rows / num_experts))
+def capacity_per_expert(num_rows: int, num_experts: int, factor: float, alignment: int = 1) -> int:
+    """Rows each (source rank, expert) pair may send: factor x the even share, at least 1, rounded
+    up to `alignment` so every expert group (ep x capacity rows) starts aligned for grouped_mm."""
+    capacity = max(1, math.ceil(factor * num_rows / num_experts))
+    return -(-capacity // alignment) * alignment
 
 
 class CapacityDispatcher:
     """Moves tokens to the rank owning their expert with fixed-size blocks (no host sync)."""
 
-    def __init__(self, group: dist.ProcessGroup, num_experts: int, capacity_factor: float):
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        num_experts: int,
+        capacity_factor: float,
+        alignment: int = 1,
+        capacity_rows: int | None = None,
+    ):
         self.group = group
         self.ep = dist.get_world_size(group)
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.ep
         self.capacity_factor = capacity_factor
-        self.host_syncs = 0  # stays 0: nothing here reads device values on the host
+        self.alignment = alignment
+        self.capacity_rows = capacity_rows  # fixed sizing rows (the same on every rank), or None
+        self._rows_checked: int | None = None  # the row count last found equal on every ep rank
+        self.host_syncs = 0  # only the row-count checks (none with capacity_rows; else once per count)
         self.dropped: torch.Tensor | None = None  # device scalar: (token, choice) pairs dropped so far
         self._pending: list[tuple[torch.Tensor, torch.Tensor, int]] = []
 
@@ -40,7 +57,10 @@ class CapacityDispatcher:
         counts (TP shares differing by one row); it must be the same on every ep rank."""
         N, D = x_ND.shape
         E, El, ep = self.num_experts, self.num_local_experts, self.ep
-        C = capacity_per_expert(capacity_rows or N, E, self.capacity_factor)
+        rows = self.capacity_rows or capacity_rows or N
+        if self.capacity_rows is None and rows != self._rows_checked:
+            self._check_rows_equal(rows, x_ND.device)
+        C = capacity_per_expert(rows, E, self.capacity_factor, self.alignment)
         # Row i belongs to expert e_i (rows are sorted by expert); its slot is its rank in the group.
         offsets_E = torch.cumsum(num_tokens_per_expert_E, 0) - num_tokens_per_expert_E
         expert_N = torch.repeat_interleave(
@@ -57,8 +77,23 @@ class CapacityDispatcher:
         # Expert-major for the grouped GEMM: [El, ep(src), C, D], every expert ep * C rows.
         x_padded = received.view(ep, El, C, D).transpose(0, 1).reshape(El * ep * C, D)
         m_sizes = torch.full((El,), ep * C, dtype=torch.int64, device=x_ND.device)
+        self._pending.clear()  # left only by a recomputation stopped before the combine
         self._pending.append((slot_N, kept_N, C))
         return x_padded, m_sizes
+
+    def _check_rows_equal(self, rows: int, device: torch.device) -> None:
+        """Before the static all-to-all: every ep rank must size its blocks from the same rows."""
+        mine = torch.tensor([rows], dtype=torch.int64, device=device)
+        every = torch.empty(self.ep, dtype=torch.int64, device=device)
+        dist.all_gather_into_tensor(every, mine, group=self.group)
+        counts = every.tolist()
+        self.host_syncs += 1
+        if len(set(counts)) != 1:
+            raise ValueError(
+                f"expert capacity mode: the ep ranks route different row counts {counts} (their all-to-all blocks "
+                "would differ): give every rank the same local batch, or set ExpertParallelConfig.capacity_rows."
+            )
+        self._rows_checked = rows
 
     def combine(self, y_padded_PD: torch.Tensor) -> torch.Tensor:
         slot_N, kept_N, C = self._pending.pop()

@@ -8,9 +8,14 @@
     combine:  unpermute --all-to-all back (autograd)--> rows in the order they came in
 
 The split sizes are the only values that must reach the host (the all-to-all takes them as Python
-ints): one transfer per MoE layer and micro-batch, counted in `host_syncs`.
+ints): one transfer per MoE layer and micro-batch, counted in `host_syncs`. Also under activation
+checkpointing: a checkpointed forward leaves its split sizes (and the received counts) in a FIFO,
+and the recomputation in backward takes them from there instead of exchanging counts and syncing
+again. An entry leaves the FIFO when backward passes the dispatch, so micro-batches whose
+backwards run in forward order (gradient accumulation, pipeline schedules) each find their own.
 """
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,6 +30,38 @@ class _Routed:
     num_received: int
     input_splits: list[int]
     output_splits: list[int]
+
+
+@dataclass
+class _Splits:
+    received_RE: torch.Tensor
+    input_splits: list[int]
+    output_splits: list[int]
+
+
+def _in_backward() -> bool:
+    # An activation-checkpoint recomputation runs inside the autograd engine's graph task.
+    return torch._C._current_graph_task_id() != -1
+
+
+def _checkpointed() -> bool:
+    # Non-reentrant checkpointing packs saved tensors through saved-tensor hooks.
+    return torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+
+
+class _ReleaseOnBackward(torch.autograd.Function):
+    """Identity whose backward drops the oldest FIFO entry: that forward's backward is done with it."""
+
+    @staticmethod
+    def forward(ctx, x_ND, fifo):
+        ctx.fifo = fifo
+        return x_ND.view_as(x_ND)
+
+    @staticmethod
+    def backward(ctx, grad_ND):
+        if ctx.fifo:
+            ctx.fifo.popleft()
+        return grad_ND, None
 
 
 class AllToAllDispatcher:
@@ -43,23 +80,35 @@ class AllToAllDispatcher:
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.ep
         self.permute_and_pad, self.unpermute, self.alignment = permute_and_pad, unpermute, alignment
-        self.host_syncs = 0  # device-to-host transfers so far (one per dispatch)
+        self.host_syncs = 0  # device-to-host transfers so far (one per forward dispatch)
         self._pending: list[_Routed] = []
+        self._splits: deque[_Splits] = deque()  # checkpointed forwards' split sizes, oldest first
 
     def dispatch(self, x_ND: torch.Tensor, num_tokens_per_expert_E: torch.Tensor, capacity_rows: int | None = None):
         """Rows sorted by global expert + counts [E] -> (rows for the local experts, their counts).
         (`capacity_rows` is the capacity mode's; dropless sends every row.)"""
-        counts_RE = num_tokens_per_expert_E.view(self.ep, self.num_local_experts)  # [ep, E_local]
-        received_RE = torch.empty_like(counts_RE)
-        dist.all_to_all_single(received_RE, counts_RE.contiguous(), group=self.group)
-        # Both directions' split sizes in one copy: the only host sync of the layer.
-        splits = torch.stack([counts_RE.sum(1), received_RE.sum(1)]).tolist()
-        self.host_syncs += 1
-        input_splits, output_splits = splits
+        if _in_backward() and self._splits:
+            # Recomputation under activation checkpointing: the forward's sizes, no sync, no exchange.
+            splits = self._splits[0]
+        else:
+            counts_RE = num_tokens_per_expert_E.view(self.ep, self.num_local_experts)  # [ep, E_local]
+            received_RE = torch.empty_like(counts_RE)
+            dist.all_to_all_single(received_RE, counts_RE.contiguous(), group=self.group)
+            # Both directions' split sizes in one copy: the only host sync of the layer.
+            input_splits, output_splits = torch.stack([counts_RE.sum(1), received_RE.sum(1)]).tolist()
+            self.host_syncs += 1
+            splits = _Splits(received_RE, input_splits, output_splits)
+            if torch.is_grad_enabled() and _checkpointed() and not _in_backward():
+                self._splits.append(splits)
+                x_ND = _ReleaseOnBackward.apply(x_ND, self._splits)
+        received_RE, input_splits, output_splits = splits.received_RE, splits.input_splits, splits.output_splits
         received_ND = all_to_all_single_autograd(x_ND, output_splits, input_splits, self.group)
         x_padded_PD, permuted_indices_P, m_sizes_E = self.permute_and_pad(
             received_ND, received_RE.flatten(), self.ep, self.num_local_experts, self.alignment
         )
+        # Dispatch and combine of one dispatcher always alternate; an entry still here was left by a
+        # recomputation that checkpointing stopped early (before the combine): drop it.
+        self._pending.clear()
         self._pending.append(_Routed(permuted_indices_P, received_ND.shape[0], input_splits, output_splits))
         return x_padded_PD, m_sizes_E
 

@@ -24,8 +24,10 @@ _SAVE_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
 }
-# Collectives (tensor parallel) are saved too: recomputing them would communicate twice.
-for _name in ("reduce_scatter_tensor", "all_gather_into_tensor", "all_reduce"):
+# Collectives are saved too: recomputing them would communicate twice. Tensor parallel's, and
+# expert parallel's dispatch / combine (`all_to_all_single_autograd` records
+# `_c10d_functional.all_to_all_single` under the selective-checkpoint dispatch mode).
+for _name in ("reduce_scatter_tensor", "all_gather_into_tensor", "all_reduce", "all_to_all_single"):
     _op = getattr(torch.ops._c10d_functional, _name, None)
     if _op is not None:
         _SAVE_OPS.add(_op.default)

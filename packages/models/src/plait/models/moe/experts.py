@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import permute_and_pad, unpermute
+from .kernels import GROUP_ALIGNMENT, permute_and_pad, unpermute
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
@@ -109,12 +109,28 @@ class GroupedExperts(nn.Module):
     # back, part of the experts contract (docs/contracts.md): Triton on CUDA, torch elsewhere.
     permute_and_pad = staticmethod(permute_and_pad)
     unpermute = staticmethod(unpermute)
+    # Rows each group must start at a multiple of, for the grouped GEMM (kernels.GROUP_ALIGNMENT:
+    # the rule and where it comes from). Expert parallel's dispatchers read it and pad while they
+    # reorder, then set `pad_groups = False`; without them (ep = 1) forward pads the groups itself.
+    group_alignment = GROUP_ALIGNMENT
+    pad_groups = True
 
     def forward(self, x_TD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
-        if self.use_grouped_mm and _grouped_mm_ok(x_TD, w1):
+        if not (self.use_grouped_mm and _grouped_mm_ok(x_TD, w1)):
+            return run_experts_for_loop(w1, w2, w3, x_TD, num_tokens_per_expert_E)
+        if not self.pad_groups or self.group_alignment == 1:
             return run_experts_grouped_mm(w1, w2, w3, x_TD, num_tokens_per_expert_E)
-        return run_experts_for_loop(w1, w2, w3, x_TD, num_tokens_per_expert_E)
+        # ep = 1: pad every group to the alignment (one expert-major "source rank"), run, restore.
+        N = x_TD.shape[0]
+        x_padded_PD, permuted_P, m_sizes_E = permute_and_pad(
+            x_TD, num_tokens_per_expert_E, 1, w1.shape[0], self.group_alignment
+        )
+        y_padded_PD = run_experts_grouped_mm(w1, w2, w3, x_padded_PD, m_sizes_E)
+        y_ND = unpermute(y_padded_PD, permuted_P, N)
+        # Rows past the groups (a static buffer's tail) were never mapped: zero, like the loop's.
+        valid_N1 = (torch.arange(N, device=x_TD.device) < num_tokens_per_expert_E.sum())[:, None]
+        return torch.where(valid_N1, y_ND, 0.0)
 
     def init_weights(self, init_std: float) -> None:
         nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)

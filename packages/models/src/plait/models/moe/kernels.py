@@ -20,6 +20,30 @@ vectorised torch version (CPU and fallback) and a Triton kernel (CUDA, `triton_k
 
 import torch
 
+# The group padding rule, one for every path (dropless EP, capacity EP, ep = 1) and both devices.
+# What torch's CUDA `_grouped_mm` checks (aten/src/ATen/native/GroupedMMUtils.h
+# `check_valid_strides_and_return_transposed`, cuda/GroupMMCommon.cuh `prepare_grouped_gemm_data`,
+# torch/_meta_registrations.py `_meta_grouped_mm_common`): every operand's leading stride is a
+# multiple of 16 bytes and its data pointer 16-byte aligned (so D and H * itemsize % 16 == 0);
+# offs is 1-D int32; and, per group, `size % (16 / itemsize) == 0` (a device-side assert) whenever
+# the token dimension is an operand's contiguous one (2D x 2D with a row-major A, 3D x 2D), because
+# each group's start address must be 16-byte aligned for TMA. Eager autograd's layouts (x row-major
+# forward, x.t() column-major for the weight gradient) never hit that assert, but a compiled graph
+# may hand over a contiguous x^T, and the fp8 / mxfp8 grouped GEMMs require it (16 / 32 rows). So
+# every group starts at a multiple of 16 bytes of rows: `16 // itemsize` rows for the dtype the
+# GEMM runs in (bf16 / fp16: 8, fp32: 4, fp8: 16). The dtype is decided after the padding (FSDP's
+# param_dtype, autocast inside the experts), so the paths use GROUP_ALIGNMENT = 8, the multiple of
+# the rule for every unscaled dtype `_grouped_mm` takes (bf16, fp16, fp32). On the CPU too: the
+# tensors a CPU test builds are the ones the CUDA kernel gets.
+
+
+def group_alignment(dtype: torch.dtype) -> int:
+    """Rows per group start that keep a grouped GEMM's group addresses 16-byte aligned."""
+    return max(1, 16 // dtype.itemsize)
+
+
+GROUP_ALIGNMENT = max(group_alignment(d) for d in (torch.bfloat16, torch.float16, torch.float32))
+
 
 def default_max_len(num_rows: int, num_local_experts: int, alignment: int) -> int:
     """A static bound on the padded length: every group wastes at most `alignment - 1` rows."""

@@ -14,6 +14,23 @@ from .experts import GroupedExperts
 from .router import TokenChoiceTopKRouter
 
 
+class _GatherTokens(torch.autograd.Function):
+    """`x_TD[token of each sorted pair]`, whose backward sums each token's K pair gradients
+    token-major (gather + sum over K) instead of index_put's accumulate: deterministic on CUDA."""
+
+    @staticmethod
+    def forward(ctx, x_TD, sorted_pairs_N, pair_rank_N, K):
+        ctx.save_for_backward(pair_rank_N)
+        ctx.K = K
+        return x_TD[sorted_pairs_N // K]
+
+    @staticmethod
+    def backward(ctx, grad_ND):
+        (pair_rank_N,) = ctx.saved_tensors
+        D = grad_ND.shape[-1]
+        return grad_ND[pair_rank_N].view(-1, ctx.K, D).sum(dim=1), None, None, None
+
+
 class MoE(nn.Module):
     """`y = shared_experts(x) + sum_k score_k * expert_k(x)` for every token.
 
@@ -47,16 +64,22 @@ class MoE(nn.Module):
         # Permute: N = T*K (token, choice) pairs sorted by expert. Stable, so within an expert
         # tokens keep sequence order and results do not depend on the sort implementation.
         sorted_pairs_N = torch.argsort(selected_experts_TK.flatten(), stable=True)
-        token_ids_N = sorted_pairs_N // K
-        top_scores_N = top_scores_TK.flatten()[sorted_pairs_N]
-        routed_input_ND = x_TD[token_ids_N]
+        # Where each (token, choice) pair sits in the sorted order: the inverse permutation.
+        pair_rank_N = torch.empty_like(sorted_pairs_N).scatter_(
+            0, sorted_pairs_N, torch.arange(sorted_pairs_N.numel(), device=x_TD.device)
+        )
+        routed_input_ND = _GatherTokens.apply(x_TD, sorted_pairs_N, pair_rank_N, K)
 
         # Experts: [N, D] -> [N, D].
         routed_output_ND = self.experts(routed_input_ND, num_tokens_per_expert_E)
 
-        # Unpermute: weight in fp32, then sum each token's K outputs back into its row.
-        routed_output_ND = (routed_output_ND.float() * top_scores_N[:, None]).to(x_TD.dtype)
-        out_TD = torch.zeros_like(x_TD).scatter_add_(0, token_ids_N[:, None].expand(-1, D), routed_output_ND)
+        # Unpermute and combine, token-major: gather each token's K outputs next to each other
+        # (a permutation, so its backward writes every row once) and sum them in a fixed order.
+        # No scatter_add: on CUDA its float atomics make the sum order, hence the bits, vary from
+        # run to run; this form is deterministic and measured as fast on CPU. Weighted and summed
+        # in fp32, cast once.
+        y_TKD = routed_output_ND[pair_rank_N].view(B * S, K, D)
+        out_TD = (y_TKD.float() * top_scores_TK[:, :, None]).sum(dim=1).to(x_TD.dtype)
 
         if self.shared_experts is not None:
             out_TD = out_TD + self.shared_experts(x_TD)
