@@ -55,3 +55,32 @@ def read_metrics(dump: Path) -> list[dict]:
 
 def losses(dump: Path) -> list[float]:
     return [row["loss"] for row in read_metrics(dump)]
+
+
+def train_in_process(dump: Path, *args: str, sentinel=None) -> list[dict]:
+    """Train in this process (`args` as for plait-train, without --nproc-per-node), entering
+    `sentinel` (a plait.mesh.sentinel.StepSentinel) around every step; return the metrics rows
+    (rank 0; other ranks get []). Under plait.mesh.testing.run_on_ranks every rank calls it: the
+    process group is the caller's. Global torch settings the run changes are put back."""
+    import torch
+
+    from .cli import DEFAULT_CONFIG, parse_args
+    from .config import build_config, load_toml
+    from .train import Trainer
+
+    parsed = parse_args(["--job.dump_folder", str(dump), *args])
+    config = build_config(load_toml(parsed.config or DEFAULT_CONFIG), parsed.overrides)
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    try:
+        trainer = Trainer(config)
+        trainer.step_sentinel = sentinel
+        code = 1
+        try:
+            trainer.train()
+            code = 0
+        finally:
+            trainer.release(code)
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+    return read_metrics(dump) if trainer.rank == 0 else []

@@ -158,6 +158,10 @@ def _profiler(config: Config, rank: int, device: torch.device):
 
 
 class Trainer:
+    # Tests set a plait.mesh.sentinel.StepSentinel here: entered around each train_step, its counts
+    # go into that step's metrics row (host_syncs, precondition_violations; rank 0's, as written).
+    step_sentinel = None
+
     def __init__(self, config: Config):
         self.config = config
         self.plan = validate(config)  # before any collective
@@ -387,8 +391,13 @@ class Trainer:
                         raise ConfigError(f"data.dataset = {c.data.dataset!r} at step {self.step}: {e}") from None
                     data_s = time.perf_counter() - t0
                     lr = self.scheduler.get_last_lr()[0]
-                    loss, norm = self.train_step(micro_batches)
-                    metrics.record(self.step, loss, norm, lr, data_s, self.moe.step_metrics() if self.moe else None)
+                    with self.step_sentinel or contextlib.nullcontext():
+                        loss, norm = self.train_step(micro_batches)
+                    extra = self.moe.step_metrics() if self.moe else None
+                    if self.step_sentinel is not None:
+                        syncs, violations = self.step_sentinel.step_counts()[-1]
+                        extra = {**(extra or {}), "host_syncs": syncs, "precondition_violations": violations}
+                    metrics.record(self.step, loss, norm, lr, data_s, extra)
                     if prof is not None:
                         prof.step()
                     last = self.step == c.training.steps
