@@ -31,11 +31,13 @@ class _Experts(nn.Module):
         return torch.cat([x @ w[e] @ w[e].t() for e, x in enumerate(torch.split(x_ND, counts_E.tolist()))])
 
 
-def _run(rank, world_size, rows_per_rank, capacity_rows):
+def _run(rank, world_size, rows_per_rank, capacity_rows, by_construction=False):
     meshes = build_meshes(ParallelDims(dp_shard=world_size, ep=world_size, world_size=world_size))
     holder = nn.Module()
     holder.experts = _Experts()
-    config = ExpertParallelConfig(capacity_factor=2.0, capacity_rows=capacity_rows)
+    config = ExpertParallelConfig(
+        capacity_factor=2.0, capacity_rows=capacity_rows, rows_equal_by_construction=by_construction
+    )
     dispatcher = apply_expert_parallel(holder, meshes.ep, ["experts"], config)["experts"]
     syncs = []
     for _ in range(2):
@@ -62,3 +64,8 @@ def test_equal_rows_are_checked_once_unequal_rows_raise_one_line_on_every_rank()
 def test_capacity_rows_make_the_blocks_equal_by_construction():
     for r in run_on_ranks(_run, 2, (12, 8), 12, timeout=120):
         assert r == {"syncs": [0, 0]}
+
+
+def test_a_caller_guaranteeing_equal_rows_skips_the_check():
+    for r in run_on_ranks(_run, 2, (12, 12), None, True, timeout=120):
+        assert r == {"syncs": [0, 0]}  # the trainer's case: zero host syncs in capacity mode

@@ -34,7 +34,11 @@ class ExpertParallelConfig:
     """Capacity mode: the routed rows per micro-batch the capacity is sized by, the same on every
     ep rank by construction (e.g. local batch x seq_len / cp x top_k). None: the rows each rank
     routes, checked equal over the ep ranks before the first all-to-all (one host sync per MoE
-    layer, again only if the count changes)."""
+    layer, again only if the count changes) unless `rows_equal_by_construction`."""
+    rows_equal_by_construction: bool = False
+    """Capacity mode: the caller guarantees every ep rank routes the same rows in every micro-batch
+    (the trainer: fixed [local_batch_size, seq_len] micro-batches, cp shards of equal length), so
+    the check before the all-to-all is skipped."""
     alignment: int | None = None
     """Rows per expert group are padded to a multiple of this for the grouped GEMM (None: the
     experts module's `group_alignment`, the same on every device; plait.models.moe.kernels says
@@ -49,6 +53,8 @@ def validate_expert_parallel(
         raise ParallelConfigError(
             f"parallelism.expert_capacity_factor = {config.capacity_factor}: use 0 (dropless) or a factor > 0."
         )
+    if config is not None and config.capacity_rows is not None and config.capacity_rows < 1:
+        raise ParallelConfigError(f"ExpertParallelConfig.capacity_rows = {config.capacity_rows}: use None or rows >= 1.")
     if ep > 1 and num_experts % ep:
         raise ParallelConfigError(
             f"parallelism.ep = {ep} does not divide the {num_experts} routed experts: pick an ep that divides them."
@@ -98,7 +104,7 @@ class _DispatchHooks:
         share = row_share(x_ND.shape[0], rank, parts)
         self._shares.append(share)
         # Capacity blocks must be the same size on every ep rank: size them by the largest share.
-        capacity_rows = -(-x_ND.shape[0] // parts)
+        capacity_rows = -(-(getattr(self.dispatcher, "capacity_rows", None) or x_ND.shape[0]) // parts)
         return self.dispatcher.dispatch(
             take_share(x_ND, share), counts_in_share(num_tokens_per_expert_E, share), capacity_rows=capacity_rows
         )
@@ -146,7 +152,8 @@ def apply_expert_parallel(
         alignment = config.alignment or getattr(module, "group_alignment", 1)
         if config.capacity_factor > 0:
             dispatcher = CapacityDispatcher(
-                ep_mesh.get_group(), num_experts, config.capacity_factor, alignment, config.capacity_rows
+                ep_mesh.get_group(), num_experts, config.capacity_factor, alignment, config.capacity_rows,
+                check_rows=not config.rows_equal_by_construction,
             )
         else:
             dispatcher = AllToAllDispatcher(

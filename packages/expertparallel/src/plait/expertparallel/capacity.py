@@ -12,7 +12,8 @@ true by construction when `capacity_rows` is given (a config value, the same eve
 rows a rank routes may then differ, only the drops change). Otherwise the capacity comes from the
 rows this rank routes, and before the first all-to-all, and again whenever that count changes,
 the ep ranks compare their counts (one small all-gather and host read, counted in `host_syncs`)
-and raise a one-line error if they differ.
+and raise a one-line error if they differ; a caller that guarantees equal rows (the trainer)
+turns the check off.
 """
 
 import math
@@ -39,6 +40,7 @@ class CapacityDispatcher:
         capacity_factor: float,
         alignment: int = 1,
         capacity_rows: int | None = None,
+        check_rows: bool = True,
     ):
         self.group = group
         self.ep = dist.get_world_size(group)
@@ -47,6 +49,7 @@ class CapacityDispatcher:
         self.capacity_factor = capacity_factor
         self.alignment = alignment
         self.capacity_rows = capacity_rows  # fixed sizing rows (the same on every rank), or None
+        self.check_rows = check_rows and capacity_rows is None
         self._rows_checked: int | None = None  # the row count last found equal on every ep rank
         self.host_syncs = 0  # only the row-count checks (none with capacity_rows; else once per count)
         self.dropped: torch.Tensor | None = None  # device scalar: (token, choice) pairs dropped so far
@@ -54,11 +57,12 @@ class CapacityDispatcher:
 
     def dispatch(self, x_ND: torch.Tensor, num_tokens_per_expert_E: torch.Tensor, capacity_rows: int | None = None):
         """`capacity_rows`: the row count the capacity is sized by when ranks route different
-        counts (TP shares differing by one row); it must be the same on every ep rank."""
+        counts (TP shares differing by one row, from `self.capacity_rows` when set); it must be the
+        same on every ep rank."""
         N, D = x_ND.shape
         E, El, ep = self.num_experts, self.num_local_experts, self.ep
-        rows = self.capacity_rows or capacity_rows or N
-        if self.capacity_rows is None and rows != self._rows_checked:
+        rows = capacity_rows or self.capacity_rows or N
+        if self.check_rows and rows != self._rows_checked:
             self._check_rows_equal(rows, x_ND.device)
         C = capacity_per_expert(rows, E, self.capacity_factor, self.alignment)
         # Row i belongs to expert e_i (rows are sorted by expert); its slot is its rank in the group.

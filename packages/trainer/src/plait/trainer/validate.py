@@ -421,7 +421,11 @@ def _validate_cp(cp_module, model_args, info: dict, dims: ParallelDims, config: 
 
 def ep_config(ep_module, config: Config):
     """plait.expertparallel's config from the [parallelism] section."""
-    return ep_module.ExpertParallelConfig(capacity_factor=config.parallelism.expert_capacity_factor)
+    # Every rank's micro-batch is [local_batch_size, seq_len] (cp shards equal): capacity mode's
+    # blocks are equal by construction, so it needs no row check (and no host sync) before them.
+    return ep_module.ExpertParallelConfig(
+        capacity_factor=config.parallelism.expert_capacity_factor, rows_equal_by_construction=True
+    )
 
 
 def cp_config(cp_module, config: Config):
