@@ -19,7 +19,12 @@ def _gather_kv(k_BGLD: torch.Tensor, v_BGLF: torch.Tensor, group, layout: Sequen
     """Local k [B, G, 2c, D], v [B, G, 2c, F] -> the whole sequence [B, G, S, *], natural order, each
     contiguous (gathered in one collective)."""
     gathered_RN = all_gather(pack(k_BGLD, v_BGLF), group, layout.cp)
-    k_RBGLD, v_RBGLF = unpack(gathered_RN, (k_BGLD.shape, v_BGLF.shape))
+    return unpack_gathered(gathered_RN, k_BGLD.shape, v_BGLF.shape, layout)
+
+
+def unpack_gathered(gathered_RN: torch.Tensor, k_shape, v_shape, layout: SequenceLayout):
+    """Every rank's packed [K | V] (rank-major [R, n]) -> the whole K and V in sequence order."""
+    k_RBGLD, v_RBGLF = unpack(gathered_RN, (k_shape, v_shape))
     return _natural(k_RBGLD, layout), _natural(v_RBGLF, layout)
 
 
@@ -31,11 +36,15 @@ def _natural(x_RBGLF: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
 
 def _scatter_grad(dkv_BGSF: torch.Tensor, group, layout: SequenceLayout) -> torch.Tensor:
     """Whole-sequence fp32 [B, G, S, F] summed over ranks -> this rank's [B, G, 2c, F]."""
-    B, G, S, F = dkv_BGSF.shape
+    return reduce_scatter(rank_major(dkv_BGSF, layout), group)
+
+
+def rank_major(x_BGSF: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
+    """Whole sequence [B, G, S, F] -> every rank's tokens [R, B, G, 2c, F] (what a reduce-scatter splits)."""
+    B, G, S, F = x_BGSF.shape
     c = S // layout.n_chunks
-    slots = dkv_BGSF.view(B, G, layout.n_chunks, c, F).index_select(2, layout.rank_order_index(dkv_BGSF.device))
-    per_rank_RBGLF = slots.view(B, G, layout.cp, 2 * c, F).movedim(2, 0)
-    return reduce_scatter(per_rank_RBGLF, group)
+    slots = x_BGSF.view(B, G, layout.n_chunks, c, F).index_select(2, layout.rank_order_index(x_BGSF.device))
+    return slots.view(B, G, layout.cp, 2 * c, F).movedim(2, 0)
 
 
 class AllGatherAttention(torch.autograd.Function):

@@ -63,8 +63,10 @@ class RingAttention(torch.autograd.Function):
             )
             if grad_pending is not None:
                 dkv += grad_pending.wait()  # what the ranks before this one added to this block
-            grad_pending = grad_shift.start(dkv)  # on to the next holder; after the last step, home
+            if ctx.layout.cp > 1:  # on to the next holder; after the last step, home (cp 1: home already)
+                grad_pending = grad_shift.start(dkv)
             if kv_pending is not None:
                 kv = kv_pending.wait()
-        dkv = grad_pending.wait()
+        if grad_pending is not None:
+            dkv = grad_pending.wait()
         return dq.to(q.dtype), dkv[..., :d].to(k.dtype), dkv[..., d:].to(v.dtype), None, None, None
