@@ -132,3 +132,22 @@ def test_deepseek_shared_expert_fp8_without_scale(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=f"{lost} in model.safetensors is torch.float8_e4m3fn but has no"):
         _load(tmp_path, Transformer(args), args, "deepseek_v3", "debugmodel")
+
+
+def test_exported_files_are_readable_by_others(tmp_path):
+    """checkpoint.last_save_in_hf's writer: mode 0644 under umask 022 (safetensors writes 0600)."""
+    import os
+
+    from plait.trainer.checkpoint.hf_sharded import export_hf_sharded
+
+    folder, model, args = _llama_folder(tmp_path)
+    _load(folder, model, args)
+    old = os.umask(0o022)
+    try:
+        out = export_hf_sharded(model, tmp_path / "export", "llama3", "debugmodel", torch.float32, args)
+    finally:
+        os.umask(old)
+    files = sorted(out.iterdir())
+    assert any(f.suffix == ".safetensors" for f in files)
+    for file in files:
+        assert oct(file.stat().st_mode & 0o777) == "0o644", file

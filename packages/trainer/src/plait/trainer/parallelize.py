@@ -19,6 +19,7 @@ from plait.mesh import Meshes, ParallelConfigError
 
 from .activation_checkpoint import apply_activation_checkpointing
 from .config import Config, ConfigError
+from .fsdp_tp import fsdp_post_forward_first
 from .validate import RunPlan, cp_config, ep_config, tp_config
 
 
@@ -120,6 +121,8 @@ def _parallelize(config: Config, plan: RunPlan, meshes: Meshes, device: torch.de
         model, meshes, blocks, dp_config, expert_modules=info.get("experts", ()),
         edge_units=info.get("edge_units", ()) if dp_mode in ("fsdp", "hsdp") else (),
     )
+    if meshes.dims.tp > 1 and dp_mode in ("fsdp", "hsdp"):
+        fsdp_post_forward_first(model)  # no "returned a view tensor" warning (fsdp_tp.py)
     if not plan.full_init:
         if device.type == "cpu" and meshes.dims.world_size > 1 and not config.checkpoint.initial_load_path:
             # DTensor's random ops need a device RNG with offsets (CUDA-like); on CPU every rank

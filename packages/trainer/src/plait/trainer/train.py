@@ -351,14 +351,18 @@ class Trainer:
         c = self.config
         if self.rank == 0:
             n_params = sum(p.numel() for p in self.plan.model.parameters())
+            overrides = f" with {', '.join(f'{k}={v}' for k, v in c.model.args.items())}" if c.model.args else ""
+            data = " ".join(x for x in (c.data.dataset or "auto", c.data.dataset_path) if x)
             print(
-                f"plait-train: {c.model.name} {c.model.flavor} ({n_params / 1e6:.1f}M params) on "
+                f"plait-train: {c.model.name} {c.model.flavor}{overrides} ({n_params / 1e6:.1f}M params) on "
                 f"{self.plan.dims.world_size} x {self.device.type}, {self.plan.dims}, dp mode {self.pm.dp_mode}, "
                 f"dtype {c.training.dtype}, {torch.get_num_threads()} threads/rank, global batch "
                 f"{c.training.local_batch_size * c.training.gradient_accumulation_steps * self.plan.dims.dp} x "
-                f"{c.training.seq_len} tokens",
+                f"{c.training.seq_len} tokens of {data}",
                 flush=True,
             )
+            # The user's own words, if any (the shipped configs set none: a fixed text there was
+            # wrong as soon as --model.name or --data.dataset changed the run).
             if c.job.description:
                 print(f"plait-train: {c.job.description}", flush=True)
             os.makedirs(c.job.dump_folder, exist_ok=True)

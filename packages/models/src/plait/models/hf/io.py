@@ -6,6 +6,7 @@ which is what `transformers` and the Hub expect.
 """
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -17,6 +18,27 @@ INDEX_FILE = "model.safetensors.index.json"
 # transformers checks this metadata to know the tensors are PyTorch's.
 _METADATA = {"format": "pt"}
 _SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it where Linux reports it (os.umask sets it,
+    and another thread creating a file meanwhile would get the wrong mode)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def save_file_like_open(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict | None = None) -> None:
+    """`safetensors` `save_file`, with the mode `open()` would give (0644 under umask 022): the
+    library writes 0600, so other users (a serving job, a colleague) could not read an export."""
+    save_file(tensors, path, metadata=metadata)
+    os.chmod(path, 0o666 & ~_umask())
 
 
 def parse_size(size: int | str) -> int:
@@ -63,7 +85,7 @@ def save_safetensors_file(
     """Write `state_dict` as one `.safetensors` file at `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(_prepare(state_dict, dtype), path, metadata=_METADATA)
+    save_file_like_open(_prepare(state_dict, dtype), path, metadata=_METADATA)
     return path
 
 
@@ -80,13 +102,13 @@ def save_safetensors(
     tensors = _prepare(state_dict, dtype)
     shards = _shard(tensors, parse_size(max_shard_size))
     if len(shards) == 1:
-        save_file(shards[0], out_dir / SINGLE_FILE, metadata=_METADATA)
+        save_file_like_open(shards[0], out_dir / SINGLE_FILE, metadata=_METADATA)
         return [out_dir / SINGLE_FILE]
 
     files, weight_map = [], {}
     for i, shard in enumerate(shards, start=1):
         file_name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, out_dir / file_name, metadata=_METADATA)
+        save_file_like_open(shard, out_dir / file_name, metadata=_METADATA)
         files.append(out_dir / file_name)
         weight_map.update({name: file_name for name in shard})
     total_size = sum(t.numel() * t.element_size() for t in tensors.values())
