@@ -6,6 +6,7 @@
    stride 1. CPU kernels honour any strides, so only this check sees a violation.
 2. No host syncs: after the first step (which builds the layout's index tensors once per device),
    a step creates no tensor from Python data and reads nothing back (.item(), .tolist(), ...).
+Both are also checked by the repository's StepSentinel (plait.mesh.sentinel) when it is present.
 """
 
 import itertools
@@ -66,10 +67,13 @@ def _watch(rank, world_size):
                 out = _step(attention, local, dout_r)
             steps.append((check.forward_calls, check.backward_calls, check.problems, host.calls))
         sentinel = None
-        if sentinel_cls is not None:
-            with sentinel_cls() as s:
-                _step(attention, local, dout_r)
-            sentinel = repr(s)
+        if sentinel_cls is not None:  # the repository's sentinel, over two more steps from a cold cache
+            layout._index_tensor.cache_clear()
+            s = sentinel_cls(torch.device("cpu"))
+            for _ in range(2):
+                with s:
+                    _step(attention, local, dout_r)
+            sentinel = (s.step_counts(), [tuple(r) for r in s.host_syncs], [tuple(r) for r in s.violations])
         got = [out.detach(), *(t.grad for t in local)]
         err = max((g.double() - shard_sequence(r, 2, rank, cp_layout)).abs().max().item() for g, r in zip(got, ref))
         report[(method, load_balance, shape, str(dtype))] = (steps, err, sentinel)
@@ -78,7 +82,7 @@ def _watch(rank, world_size):
 
 def test_kernel_inputs_meet_cuda_preconditions_and_steps_do_not_sync():
     for rank_report in run_on_ranks(_watch, 2, timeout=300):
-        for case, (steps, err, _sentinel) in rank_report.items():
+        for case, (steps, err, sentinel) in rank_report.items():
             assert err < (1e-5 if "float32" in case[3] else 5e-2), (case, err)
             for fwd, bwd, problems, _host in steps:
                 assert fwd > 0 and bwd > 0, case  # the mode saw the kernels
@@ -92,6 +96,12 @@ def test_kernel_inputs_meet_cuda_preconditions_and_steps_do_not_sync():
                 first_host
             )
             assert second_host == [], (case, second_host)
+            if sentinel is not None:
+                counts, syncs, violations = sentinel
+                assert violations == [], (case, violations)
+                assert counts[1] == (0, 0), (case, counts, syncs)
+                assert counts[0][0] == len(first_host), (case, syncs)
+                assert all(kind == "python_data" and "layout.py" in where for kind, _, where, _ in syncs), syncs
 
 
 def test_checks_see_what_the_cuda_kernels_would_break():
