@@ -33,7 +33,27 @@ def _grouped_mm_outside_graph(a: torch.Tensor, b: torch.Tensor, offs: torch.Tens
     return torch._grouped_mm(a, b, offs=offs)
 
 
+def _cuda_fast_grouped_mm(a: torch.Tensor) -> bool:
+    # torch's CUDA `_grouped_mm` runs its CUTLASS kernel only for bf16 on sm90 / sm100
+    # (`_scaled_mm_allowed_device(sm90_only, sm100_only)` in cuda/GroupedBlas.cpp); anything else
+    # takes `_grouped_mm_fallback`, which reads `offs` on the host: a sync on every call.
+    major, minor = torch.cuda.get_device_capability(a.device)
+    return a.dtype == torch.bfloat16 and major in (9, 10) and minor == 0
+
+
+@torch.compiler.disable
+def _grouped_mm_sync_free(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    try:
+        from .triton_grouped_mm import triton_grouped_mm
+    except ImportError:  # no triton: torch's fallback (correct, one host sync per call)
+        return torch._grouped_mm(a, b, offs=offs)
+    return triton_grouped_mm(a.contiguous(), b, offs)
+
+
 def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    if a.is_cuda and not _cuda_fast_grouped_mm(a):
+        # CUDA-only branch: fp32 (or bf16 below Hopper) through the Triton kernels, no host sync.
+        return _grouped_mm_sync_free(a, b, offs)
     if a.dtype != torch.bfloat16 and torch.compiler.is_compiling():
         # torch's fake-tensor rule for grouped_mm admits bf16 only (the CUDA kernel's); the CPU
         # kernel also runs fp32, so fp32 runs it eagerly, between two compiled graphs.
