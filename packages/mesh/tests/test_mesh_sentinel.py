@@ -51,6 +51,7 @@ def _cases():
         "where1": ("nonzero", lambda: torch.where(mask)),  # <- where1
         "masked_select": ("nonzero", lambda: x.masked_select(mask)),  # <- masked_select
         "bool_index": ("bool_mask_index", lambda: x[mask]),  # <- bool_index
+        "bool_index_put": ("bool_mask_index", lambda: x.clone().index_put_((mask,), x[0, 0], accumulate=True)),  # <- bool_index_put
         "unique": ("data_dependent_shape", lambda: torch.unique(mask)),  # <- unique
         "repeat_interleave": ("data_dependent_shape", lambda: torch.repeat_interleave(mask.long().sum(1))),  # <- repeat_interleave
         "bincount": ("data_dependent_shape", lambda: mask.long().sum(1).bincount()),  # <- bincount
@@ -118,6 +119,9 @@ def test_host_data_that_stays_on_the_host_is_not_a_sync():
         x.to(torch.device("cpu"))  # the input copy to the compute device (cpu here)
         x.to("cpu", non_blocking=True)
         x.to(torch.float64)
+        y = x.clone()
+        y[y > 0] = 0  # one mask, one value: index_put_ runs it as masked_fill_ (no nonzero)
+        y[y > 0] = torch.tensor(1.0)
     assert s.host_syncs == []
 
 

@@ -119,6 +119,15 @@ def _is_bool_index(index) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
 
 
+def _masked_fill(index, value) -> bool:
+    """`t[mask] = v` with one bool mask and a single value: index_put_ runs it as masked_fill_
+    (canDispatchToMaskedFill in TensorAdvancedIndexing.cpp), which needs no nonzero and no sync."""
+    items = [i for i in (index if isinstance(index, (tuple, list)) else (index,)) if i is not None]
+    single = len(items) == 1 and isinstance(items[0], torch.Tensor) and items[0].dtype == torch.bool
+    scalar = isinstance(value, (int, float, bool)) or (isinstance(value, torch.Tensor) and value.numel() == 1)
+    return single and scalar
+
+
 def _device_of(value) -> torch.device | None:
     if isinstance(value, torch.device):
         return value
@@ -210,7 +219,11 @@ def _checks():
         return None
 
     def bool_index(args, kwargs):
-        return "index with a bool tensor" if len(args) > 1 and _is_bool_index(args[1]) else None
+        if len(args) < 2 or not _is_bool_index(args[1]):
+            return None
+        if len(args) > 2 and _masked_fill(args[1], args[2]):
+            return None
+        return "index with a bool tensor"
 
     def to(args, kwargs):
         return "to cpu" if _to_cpu_target(args[0], args[1:], kwargs, _compute()) else None
@@ -381,8 +394,13 @@ _COLLECTIVE_EXEMPT = {"wait_tensor", "all_reduce", "all_reduce_coalesced"}
 
 def _sync_detail(packet: str, args, kwargs) -> str | None:
     if packet in ("index", "index_put", "index_put_", "_index_put_impl_"):
-        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
-        return "index with a bool tensor" if _is_bool_index(list(indices or ())) else None
+        indices = [i for i in (args[1] if len(args) > 1 else kwargs.get("indices", ())) or () if i is not None]
+        if not _is_bool_index(indices):
+            return None
+        accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+        if packet != "index" and not accumulate and _masked_fill(indices, args[2]):
+            return None
+        return "index with a bool tensor"
     if packet == "repeat_interleave":
         has_repeats = isinstance(args[0], torch.Tensor) and (len(args) == 1 or isinstance(args[1], torch.Tensor))
         return "repeats tensor without output_size" if has_repeats and kwargs.get("output_size") is None else None
