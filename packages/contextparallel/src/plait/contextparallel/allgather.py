@@ -1,7 +1,8 @@
 """All-gather context parallel (pass-KV): every rank gathers K and V once per layer.
 
-Forward: all-gather K and V (one collective, each contiguous after), reorder the chunks to sequence order, attend the
-local queries to the keys each one may see (layout.plan_blocks), merge through the lse.
+Forward: all-gather K and V (one collective; each comes out contiguous), reorder the chunks to
+sequence order, attend the local queries to the keys each one may see (layout.plan_blocks), merge
+through the lse.
 Backward: gather again (only the local K/V are saved, so activation memory stays O(S / cp)),
 accumulate dK/dV for the whole sequence in fp32, reduce-scatter them back to their owners.
 """
