@@ -276,8 +276,8 @@ def one_rank_group(device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_one_rank_group_runs_the_autograd_functions(device, one_rank_group, method, dtype):
     """CUDA branch: contextparallel/comm.py (NCCL all_gather_single, reduce_scatter_single,
-    all_to_all_single, batch_isend_irecv to itself) -- the real autograd functions on a 1-rank group
-    (cp 1: two chunks) match math attention, forward and backward."""
+    all_to_all_single; the ring sends nothing at cp 1) -- the real autograd functions on a 1-rank
+    group (cp 1: two chunks) match math attention, forward and backward."""
     from plait.contextparallel.attention import _FUNCTIONS
 
     layout = SequenceLayout(1, True)
