@@ -73,7 +73,8 @@ class CapacityDispatcher:
         position_N = torch.arange(N, device=x_ND.device) - offsets_E[expert_N]
         kept_N = position_N < C
         slot_N = torch.where(kept_N, expert_N * C + position_N, E * C)  # dropped rows -> a dump slot
-        if torch.is_grad_enabled():  # training forwards (and their recomputation), not evaluation
+        # Training forwards, not evaluation, nor an activation-checkpoint recomputation in backward.
+        if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
             dropped = (~kept_N).sum()
             self.dropped = dropped if self.dropped is None else self.dropped + dropped
         send = x_ND.new_zeros(E * C + 1, D).index_copy(0, slot_N, x_ND)[: E * C]  # [ep * El * C, D]
