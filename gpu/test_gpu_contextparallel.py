@@ -225,28 +225,33 @@ def test_kernel_choice(device, dtype):
 
 
 def test_index_tensors_built_once_per_device(device):
-    """CUDA branch: contextparallel/layout.py:_index_tensor -- the chunk-order index lives on the
-    device and is built once (a blocking host-to-device copy each time on CUDA otherwise)."""
+    """CUDA branch: contextparallel/layout.py:_order_indices -- the chunk-order indices are built on
+    the device (arange, no host-to-device copy), once per layout and device, equal to the Python orders."""
     layout = SequenceLayout(4, True)
     first = layout.natural_order_index(device)
     assert first.device.type == device.type
     assert layout.natural_order_index(device) is first
     assert SequenceLayout(4, True).rank_order_index(device) is layout.rank_order_index(device)
     assert first.tolist() == layout.natural_order()
+    assert layout.rank_order_index(device).tolist() == layout.rank_order()
+    assert SequenceLayout(3, False).rank_order_index(device).tolist() == SequenceLayout(3, False).rank_order()
 
 
 @pytest.mark.cuda_only
 @pytest.mark.parametrize("method", SIMULATE)
 def test_simulated_step_does_not_sync(device, method):
-    """CUDA branch: contextparallel (every method, flash kernels) -- after the first step builds the
-    index tensors, a whole forward + backward runs under set_sync_debug_mode("error")."""
+    """CUDA branch: contextparallel (every method, flash kernels) -- a whole forward + backward, the
+    first (which builds the index tensors) and the next, runs under set_sync_debug_mode("error")."""
+    from plait.contextparallel import layout as layout_module
+
     layout = SequenceLayout(2, True)
     q, k, v, dout = _inputs(device, torch.bfloat16, "gqa", 2, 64)
-    SIMULATE[method](q, k, v, dout, layout, 0.125)  # warm: builds the cached index tensors
     torch.cuda.synchronize()
+    layout_module._order_indices.cache_clear()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        SIMULATE[method](q, k, v, dout, layout, 0.125)
+        for _ in range(2):
+            SIMULATE[method](q, k, v, dout, layout, 0.125)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()

@@ -23,6 +23,11 @@ def test_shard_unshard_and_positions(cp, load_balance):
         tokens, labels, positions = shard_batch(x, x + 1, r, layout)
         assert torch.equal(tokens, shards[r]) and torch.equal(labels, shards[r] + 1)
         assert torch.equal(positions, shards[r][0])
+    # The index tensors the attention reorders by: the Python orders, built once per device.
+    assert layout.rank_order_index().tolist() == layout.rank_order()
+    assert layout.natural_order_index().tolist() == layout.natural_order()
+    assert [layout.rank_order()[i] for i in layout.natural_order()] == list(range(2 * cp))
+    assert SequenceLayout(cp, load_balance).natural_order_index("cpu") is layout.natural_order_index()
     held = sorted(c for r in range(cp) for c in layout.chunks(r))
     assert held == list(range(2 * cp))
     if load_balance:

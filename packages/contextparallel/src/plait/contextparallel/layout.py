@@ -46,12 +46,12 @@ class SequenceLayout:
         return [rank_order.index(c) for c in range(self.n_chunks)]
 
     def rank_order_index(self, device=None) -> torch.Tensor:
-        """Index that puts sequence-ordered chunks into rank-major (rank, slot) order (cached)."""
-        return _index_tensor(tuple(self.rank_order()), torch.device(device or "cpu"))
+        """rank_order() as a tensor on `device`: puts sequence-ordered chunks into rank-major order."""
+        return _order_indices(self.cp, self.load_balance, torch.device(device or "cpu"))[0]
 
     def natural_order_index(self, device=None) -> torch.Tensor:
-        """Index that puts rank-major (rank, slot) chunks back into sequence order (cached)."""
-        return _index_tensor(tuple(self.natural_order()), torch.device(device or "cpu"))
+        """natural_order() as a tensor on `device`: puts rank-major chunks back into sequence order."""
+        return _order_indices(self.cp, self.load_balance, torch.device(device or "cpu"))[1]
 
     def local_indices(self, rank: int, seq_len: int, device=None) -> torch.Tensor:
         """Positions (int64) in the full sequence of the tokens rank `rank` holds, in its order."""
@@ -65,11 +65,18 @@ class SequenceLayout:
 
 
 @functools.cache
-def _index_tensor(order: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """A chunk index on `device`, built once: on CUDA each build is a blocking host-to-device copy,
-    and the attention of every layer asks for one each micro-batch. Read-only: never written."""
-    with torch.inference_mode(False):  # a normal tensor even if first asked for under inference mode
-        return torch.tensor(order, dtype=torch.int64, device=device)
+def _order_indices(cp: int, load_balance: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rank order, natural order) index tensors, built once per layout and device, and on the device
+    itself: torch.tensor(list, device="cuda") would be a blocking host-to-device copy, and every
+    layer's attention asks for them each micro-batch. Read-only: never written."""
+    with torch.inference_mode(False):  # normal tensors even if first asked for under inference mode
+        c = torch.arange(2 * cp, device=device)
+        if not load_balance:
+            return c, c
+        # Rank r holds chunks r and 2cp-1-r, in slots 2r and 2r+1 of the rank-major order.
+        rank_order = torch.where(c % 2 == 0, c // 2, 2 * cp - 1 - c // 2)
+        natural_order = torch.where(c < cp, 2 * c, 4 * cp - 1 - 2 * c)
+        return rank_order, natural_order
 
 
 def shard_sequence(x: torch.Tensor, dim: int, rank: int, layout: SequenceLayout) -> torch.Tensor:
