@@ -335,6 +335,89 @@ class Matrix:
             result.returncode == 2 and "Traceback" not in result.stderr and not steps(dump),
         )
 
+    # ---- issue 27: inputs trusted unchecked (defects 3-6, 8) ------------------------------------
+
+    def hf_folder(self, name: str, damage: str) -> Path:
+        """The debug model's weights as a Hugging Face folder, one tensor damaged: "fp8" (no
+        scale), "int32", "nan", or "index" (the index names a file that lacks the tensor)."""
+        code = """
+import json, sys, torch
+from safetensors.torch import save_file
+from plait.models.hf import llama3 as a
+from plait.models.llama3 import FLAVORS, Transformer
+args = FLAVORS["debugmodel"]
+torch.manual_seed(0)
+m = Transformer(args); m.init_weights()
+hf = {k: v.clone().contiguous() for k, v in a.to_hf(m.state_dict(), args).items()}
+name, damage, out = "model.layers.0.self_attn.o_proj.weight", sys.argv[1], sys.argv[2]
+if damage == "fp8": hf[name] = hf[name].to(torch.float8_e4m3fn)
+if damage == "int32": hf[name] = hf[name].to(torch.int32)
+if damage == "nan": hf[name][0, 0] = float("nan")
+import os; os.makedirs(out)
+save_file(hf, out + "/model.safetensors")
+if damage == "index":
+    wm = dict.fromkeys(hf, "model.safetensors"); wm["model.norm.weight"] = "model-00002.safetensors"
+    save_file({"x": torch.zeros(1)}, out + "/model-00002.safetensors")
+    json.dump({"weight_map": wm}, open(out + "/model.safetensors.index.json", "w"))
+json.dump(a.hf_config(args), open(out + "/config.json", "w"))
+"""
+        out = self.root / name
+        subprocess.run([sys.executable, "-c", code, damage, str(out)], check=True, env=ENV, timeout=120)
+        return out
+
+    def token_folder(self, name: str, damage: str) -> Path:
+        """A pre-tokenised builtin corpus, damaged: "vocab" (an id past the vocabulary, recorded
+        in meta.json as pretokenize does), "offsets" (two swapped), "size" (tokens.bin longer)."""
+        import numpy as np
+
+        out = self.root / name
+        subprocess.run([sys.executable, "-m", "plait.trainer.data.pretokenize", "--dataset", "builtin", "--output",
+                        str(out)], check=True, env=ENV, timeout=300, capture_output=True)  # fmt: skip
+        meta = json.loads((out / "meta.json").read_text())
+        if damage == "vocab":
+            tokens = np.memmap(out / "tokens.bin", dtype=np.uint32, mode="r+")
+            tokens[10] = 99_999
+            tokens.flush()
+            (out / "meta.json").write_text(json.dumps({**meta, "max_id": 99_999}))
+        elif damage == "offsets":
+            offsets = np.load(out / "offsets.npy")
+            offsets[[5, 6]] = offsets[[6, 5]]
+            np.save(out / "offsets.npy", offsets)
+        elif damage == "size":
+            with open(out / "tokens.bin", "ab") as f:
+                f.write(b"\0" * 64)
+        return out
+
+    def pretokenize_output_file(self) -> None:
+        target = self.root / "notes.txt"
+        target.write_text("mine")
+        result = subprocess.run([sys.executable, "-m", "plait.trainer.data.pretokenize", "--dataset", "builtin",
+                                 "--output", str(target)], capture_output=True, text=True, env=ENV, timeout=300)  # fmt: skip
+        self.add(
+            "plait-pretokenize --output naming an existing file",
+            str(result.returncode),
+            f"none: '{first_error(result)[:70]}'",
+            "n/a (refused, file untouched)",
+            result.returncode == 2 and "Traceback" not in result.stderr and target.read_text() == "mine",
+        )
+
+    def diverge_again(self) -> None:
+        from plait.trainer.exit_codes import DIVERGED
+
+        dump = self.fresh("nan_again")
+        args = ["--training.steps", "8", "--optimizer.lr", "1e6", "--lr_scheduler.warmup_steps", "20000",
+                "--metrics.log_freq", "20", "--checkpoint.interval", "2", "--checkpoint.keep_last", "3"]  # fmt: skip
+        first = cli(dump, *args)
+        again = cli(dump, *args)
+        self.add(
+            "NaN, then the same command again (resumes the last good step 4, diverges at once)",
+            f"{first.returncode}, again {again.returncode}",
+            f"{steps(dump)}; second error: '...{first_error(again, 'diverged again')[:60]}'",
+            "n/a (points to --checkpoint.load_step 2)",
+            first.returncode == again.returncode == DIVERGED and "diverged again" in again.stderr
+            and "--checkpoint.load_step 2" in again.stderr,
+        )
+
     def new_lr(self) -> None:
         dump = self.fresh("new_lr", copy_of=self.ref1)
         shutil.rmtree(dump / "checkpoints" / "step-000012")
@@ -376,6 +459,27 @@ def main() -> int:
     m.refused("--optimizer.lr nan", "--optimizer.lr", "nan")
     m.refused("--training.max_norm inf", "--training.max_norm", "inf")
     m.new_lr()
+    # issue 27: inputs trusted unchecked
+    hf = ["--checkpoint.initial_load_hf", "true", "--checkpoint.initial_load_path"]
+    m.refused("HF import: FP8 o_proj without weight_scale_inv", *hf, str(m.hf_folder("hf_fp8", "fp8")))
+    m.refused("HF import: int32 o_proj", *hf, str(m.hf_folder("hf_int32", "int32")))
+    m.refused("HF import: NaN in o_proj", *hf, str(m.hf_folder("hf_nan", "nan")))
+    m.refused("HF import: index names a file lacking the tensor", *hf, str(m.hf_folder("hf_index", "index")))
+    tokens = ["--data.dataset", "tokens", "--data.dataset_path"]
+    m.refused("tokens folder: id 99999 >= vocab 2048", *tokens, str(m.token_folder("tok_vocab", "vocab")))
+    m.refused("tokens folder: offsets going backwards", *tokens, str(m.token_folder("tok_offsets", "offsets")))
+    m.refused("tokens folder: tokens.bin longer than meta.json says", *tokens, str(m.token_folder("tok_size", "size")))
+    m.pretokenize_output_file()
+    m.refused("deepseek_v3 debugmodel (softmax) with checkpoint.last_save_in_hf", "--model.name", "deepseek_v3",
+              "--checkpoint.last_save_in_hf", "true")
+    for field, value in (("dim", "0"), ("n_layers", "0"), ("n_kv_heads", "0"), ("rope_theta", "-1"),
+                         ("norm_eps", "-1e-5")):
+        m.refused(f"--model.{field} {value}", f"--model.{field}", value)
+    m.refused("--model.n_activated_experts 0 (deepseek_v3)", "--model.name", "deepseek_v3",
+              "--model.n_activated_experts", "0")
+    m.refused("--data.prefetch 100000", "--data.prefetch", "100000")
+    m.refused("--parallelism.expert_capacity_factor -1 at ep 1", "--parallelism.expert_capacity_factor", "-1")
+    m.diverge_again()
 
     print(f"\n{len(m.rows)} faults in {time.monotonic() - t0:.0f} s\n")
     print("| fault | exit code | checkpoints after | resumed loss equal | good state kept |")
