@@ -36,3 +36,24 @@ def test_written_files_follow_the_umask(tmp_path):
         assert oct(os.stat(private).st_mode & 0o777) == "0o600"
     finally:
         os.umask(old)
+
+
+def test_convert_from_hf_refuses_an_fp8_weight_without_scale(tmp_path, capsys):
+    import json
+
+    from plait.models.hf import llama3 as adapter
+    from plait.models.hf.convert import main
+    from plait.models.llama3 import FLAVORS, Transformer
+
+    args = FLAVORS["debugmodel"]
+    model = Transformer(args)
+    model.init_weights()
+    hf = {k: v.clone() for k, v in adapter.to_hf(model.state_dict(), args).items()}
+    name = "model.layers.0.self_attn.o_proj.weight"
+    hf[name] = hf[name].to(torch.float8_e4m3fn)
+    save_safetensors(hf, tmp_path / "hf")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(adapter.hf_config(args)))
+    assert main(["from-hf", "--model", "llama3", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "o.pt")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"plait-convert: error: {name} in ") and "has no" in err and "\n" not in err
+    assert not (tmp_path / "o.pt").exists()

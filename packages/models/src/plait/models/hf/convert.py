@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from plait.models.hf.checks import check_hf_state
+from plait.models.hf.checks import ImportCheckError, check_hf_state
 from plait.models.hf.fp8 import dequantize_if_fp8
 from plait.models.hf.io import (
     INDEX_FILE,
@@ -166,7 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "to-hf":
         to_hf(ns.model, ns.flavor, ns.input, ns.output, ns.dtype, ns.max_shard_size, ns.overrides)
     else:
-        from_hf(ns.model, ns.flavor, ns.input, ns.output, ns.dtype)
+        try:
+            from_hf(ns.model, ns.flavor, ns.input, ns.output, ns.dtype)
+        except ImportCheckError as e:  # a damaged or unconvertible tensor: one line, nothing written
+            print(f"plait-convert: error: {e}", file=sys.stderr)
+            return 2
     return 0
 
 
