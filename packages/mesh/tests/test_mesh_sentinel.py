@@ -121,8 +121,12 @@ def test_host_data_that_stays_on_the_host_is_not_a_sync():
         x.to(torch.float64)
         y = x.clone()
         y[y > 0] = 0  # one mask, one value: index_put_ runs it as masked_fill_ (no nonzero)
-        y[y > 0] = torch.tensor(1.0)
+        y[y > 0] = torch.tensor(1.0)  # a host value too
     assert s.host_syncs == []
+    with StepSentinel(device="cpu") as s:
+        y[y > 0] = y.sum()  # <- device_value
+    # A value on the compute device is not a masked_fill on CUDA: index_put_ runs nonzero.
+    assert [(r.kind, _where(r)[1]) for r in s.host_syncs] == [("bool_mask_index", _line("device_value"))]
 
 
 def test_step_counts_and_report_per_entry():

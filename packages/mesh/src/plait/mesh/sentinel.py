@@ -58,6 +58,10 @@ _active: list["StepSentinel"] = []  # entered sentinels (innermost last)
 _patch_lock = threading.Lock()
 
 
+def _stdlib(name: str) -> bool:
+    return name.startswith(_STDLIB_DIR) and "-packages" not in name
+
+
 def _caller() -> tuple[str, str]:
     """(first frame outside torch / this file / the stdlib, innermost torch frame or '')."""
     frame = sys._getframe(2)
@@ -67,7 +71,7 @@ def _caller() -> tuple[str, str]:
         if name.startswith(_TORCH_DIR):
             if not inner_torch and not any(part in name for part in _PLUMBING):
                 inner_torch = f"torch/{name[len(_TORCH_DIR) :]}:{frame.f_lineno}"
-        elif os.path.abspath(name) != _THIS_FILE and not name.startswith(_STDLIB_DIR):
+        elif os.path.abspath(name) != _THIS_FILE and not _stdlib(name):
             short = name.split("/src/", 1)[-1] if "/src/" in name else os.path.relpath(name)
             return f"{short}:{frame.f_lineno}", inner_torch
         frame = frame.f_back
@@ -119,13 +123,20 @@ def _is_bool_index(index) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
 
 
-def _masked_fill(index, value) -> bool:
-    """`t[mask] = v` with one bool mask and a single value: index_put_ runs it as masked_fill_
-    (canDispatchToMaskedFill in TensorAdvancedIndexing.cpp), which needs no nonzero and no sync."""
+def _masked_fill(index, value, python_layer: bool) -> bool:
+    """`t[mask] = v` with one bool mask and one host value (a Python number, a 1-element CPU
+    tensor): index_put_ runs it as masked_fill_ (canDispatchToMaskedFill in
+    TensorAdvancedIndexing.cpp), no nonzero, no sync. At the Python layer a tensor value must be
+    known host data (on a CPU run every tensor is on the CPU); the aten layer sees Python numbers
+    only as CPU tensors, so there any 1-element CPU value passes."""
     items = [i for i in (index if isinstance(index, (tuple, list)) else (index,)) if i is not None]
-    single = len(items) == 1 and isinstance(items[0], torch.Tensor) and items[0].dtype == torch.bool
-    scalar = isinstance(value, (int, float, bool)) or (isinstance(value, torch.Tensor) and value.numel() == 1)
-    return single and scalar
+    if not (len(items) == 1 and isinstance(items[0], torch.Tensor) and items[0].dtype == torch.bool):
+        return False
+    if isinstance(value, (int, float, bool)):
+        return True
+    if not isinstance(value, torch.Tensor) or value.numel() != 1 or value.device.type != "cpu":
+        return False
+    return _on_host_already(value) if python_layer else True
 
 
 def _device_of(value) -> torch.device | None:
@@ -221,7 +232,7 @@ def _checks():
     def bool_index(args, kwargs):
         if len(args) < 2 or not _is_bool_index(args[1]):
             return None
-        if len(args) > 2 and _masked_fill(args[1], args[2]):
+        if len(args) > 2 and _masked_fill(args[1], args[2], python_layer=True):
             return None
         return "index with a bool tensor"
 
@@ -398,7 +409,7 @@ def _sync_detail(packet: str, args, kwargs) -> str | None:
         if not _is_bool_index(indices):
             return None
         accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
-        if packet != "index" and not accumulate and _masked_fill(indices, args[2]):
+        if packet != "index" and not accumulate and _masked_fill(indices, args[2], python_layer=False):
             return None
         return "index with a bool tensor"
     if packet == "repeat_interleave":
