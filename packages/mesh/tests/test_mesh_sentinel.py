@@ -122,6 +122,8 @@ def test_host_data_that_stays_on_the_host_is_not_a_sync():
         y = x.clone()
         y[y > 0] = 0  # one mask, one value: index_put_ runs it as masked_fill_ (no nonzero)
         y[y > 0] = torch.tensor(1.0)  # a host value too
+        z = torch.randn(4, 3)
+        z[z[:, 0] > 0, :] = 0.0  # basic indices around the mask: still masked_fill_
     assert s.host_syncs == []
     with StepSentinel(device="cpu") as s:
         y[y > 0] = y.sum()  # <- device_value

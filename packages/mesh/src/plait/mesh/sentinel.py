@@ -129,8 +129,11 @@ def _masked_fill(index, value, python_layer: bool) -> bool:
     TensorAdvancedIndexing.cpp), no nonzero, no sync. At the Python layer a tensor value must be
     known host data (on a CPU run every tensor is on the CPU); the aten layer sees Python numbers
     only as CPU tensors, so there any 1-element CPU value passes."""
-    items = [i for i in (index if isinstance(index, (tuple, list)) else (index,)) if i is not None]
-    if not (len(items) == 1 and isinstance(items[0], torch.Tensor) and items[0].dtype == torch.bool):
+    # Basic indices (ints, slices, None, ...) only take a view first; what matters is that the one
+    # advanced index is the mask.
+    items = index if isinstance(index, tuple) else (index,)
+    advanced = [i for i in items if isinstance(i, (torch.Tensor, list))]
+    if not (len(advanced) == 1 and isinstance(advanced[0], torch.Tensor) and advanced[0].dtype == torch.bool):
         return False
     if isinstance(value, (int, float, bool)):
         return True
