@@ -98,7 +98,8 @@ class AllToAllDispatcher:
             input_splits, output_splits = torch.stack([counts_RE.sum(1), received_RE.sum(1)]).tolist()
             self.host_syncs += 1
             splits = _Splits(received_RE, input_splits, output_splits)
-            if torch.is_grad_enabled() and _checkpointed() and not _in_backward():
+            # Kept only where the backward that releases it will run (x_ND takes a gradient).
+            if torch.is_grad_enabled() and x_ND.requires_grad and _checkpointed() and not _in_backward():
                 self._splits.append(splits)
                 x_ND = _ReleaseOnBackward.apply(x_ND, self._splits)
         received_RE, input_splits, output_splits = splits.received_RE, splits.input_splits, splits.output_splits
