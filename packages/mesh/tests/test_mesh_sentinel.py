@@ -202,6 +202,18 @@ def test_grouped_mm_preconditions():
             pass
     assert [(r.kind, _where(r)[1]) for r in s.violations] == [("grouped_mm", _line("float_offs"))]
     assert "offs dtype torch.float32" in s.violations[0].detail
+    # Weight-gradient form (2-D x 2-D, groups along the contraction dim): with a row-major [M, K]
+    # mat_a a group of 3 columns starts 12 bytes in; as [K, M] transposed (what autograd passes)
+    # every group start is a whole row of 16 * 4 bytes.
+    grad_BN, x_KM = torch.randn(16, 8), torch.randn(16, 16)
+    odd = torch.tensor([3, 16], dtype=torch.int32)
+    with StepSentinel(device="cpu") as s:
+        torch._grouped_mm(x_KM.T, grad_BN, offs=odd)
+    assert s.violations == [], s.report()
+    with StepSentinel(device="cpu") as s:
+        torch._grouped_mm(x_KM.T.contiguous(), grad_BN, offs=odd)  # <- unaligned_group
+    assert [(r.kind, _where(r)[1]) for r in s.violations] == [("grouped_mm", _line("unaligned_group"))]
+    assert "group 0 has 3 rows: mat_a" in s.violations[0].detail
     a_odd = torch.randn(16 * 9 + 1)[1:].view(16, 9)[:, :8]  # data pointer 4 bytes off, row stride 9
     with StepSentinel(device="cpu") as s, pytest.raises(RuntimeError):  # torch's CPU check agrees
         torch._grouped_mm(a_odd, b, offs=offs)

@@ -102,6 +102,15 @@ def _record(kind: str, op: str, detail: str, sync: bool) -> None:
     (sentinel.host_syncs if sync else sentinel.violations).append(Record(kind, op, where, detail))
 
 
+def _record_dtype(func, args, kwargs) -> None:
+    for sentinel in _active:
+        if sentinel.compute_dtype is not None and sentinel._watching_this_thread():
+            off = _off_dtype(func._overloadpacket.__name__, args, kwargs, sentinel.compute_dtype)
+            if off is not None:
+                where, _ = _caller()
+                sentinel.off_dtype_kernels[(func._overloadpacket.__name__, where, off)] += 1
+
+
 def _busy() -> bool:
     return _local.__dict__.get("busy", 0) > 0
 
@@ -404,6 +413,20 @@ _SDPA_LAST_DIM = {"query", "key", "value"}
 _SDPA_DENSE = {"logsumexp"}
 # Functional all_reduce clones its input contiguous itself; wait_tensor only waits.
 _COLLECTIVE_EXEMPT = {"wait_tensor", "all_reduce", "all_reduce_coalesced"}
+# The compute kernels of a step: in a bf16 step, one of these in another dtype is a dtype-only bug
+# (an fp32 expert GEMM found this way looked right in every loss comparison).
+_MATMUL_PACKETS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_mm", *_SDPA_PACKETS}
+
+
+def _off_dtype(packet: str, args, kwargs, dtype: torch.dtype) -> str | None:
+    """The dtypes of a compute kernel's data inputs that are not `dtype` (None: all are)."""
+    if packet in _SDPA_PACKETS:
+        # q, k, v (backward: grad_out, q, k, v, out); the fp32 log-sum-exp is fp32 by design.
+        data = args[:5] if packet.endswith("_backward") else args[:3]
+    else:
+        data = (*args, *kwargs.values())
+    found = {t.dtype for value in data for t in _tensors_of(value) if t.dtype.is_floating_point}
+    return ", ".join(sorted(str(d) for d in found - {dtype})) or None
 
 
 def _sync_detail(packet: str, args, kwargs) -> str | None:
@@ -480,6 +503,30 @@ def _grouped_mm_mat(name: str, mat: torch.Tensor):
         yield f"{name} strides {tuple(strides)} for sizes {tuple(sizes)}: neither of the last two dims has stride 1"
 
 
+def _grouped_mm_groups(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor):
+    """GroupMMCommon.cuh: TMA needs every group's start address 16-byte aligned, so for each group
+    but the last, (group size x byte stride along the grouped dim) % 16 == 0 for each tensor whose
+    address advances along it. Read only where offs is host memory (a CPU run): no sync."""
+    size = mat_a.element_size()
+    if mat_a.dim() == 2 and mat_b.dim() == 3:  # rows of a (and of the output) are grouped
+        advancing = {"mat_a": mat_a.stride(0), "out": mat_b.size(-1)}
+    elif mat_a.dim() == 3 and mat_b.dim() == 2:  # columns of b (and of the output)
+        advancing = {"mat_b": mat_b.stride(1), "out": 1}
+    elif mat_a.dim() == 2 and mat_b.dim() == 2:  # the contraction dim (weight gradients)
+        advancing = {"mat_a": mat_a.stride(1), "mat_b": mat_b.stride(0)}
+    else:
+        return
+    with _suppressed():
+        ends = offs.tolist()
+    bounds = [0, *ends]
+    for g in range(len(ends) - 1):  # the last group's end is the tensor's end
+        start, end = bounds[g], bounds[g + 1]
+        for name, stride in advancing.items():
+            if ((end - start) * stride * size) % 16:
+                yield f"group {g} has {end - start} rows: {name} group start not 16-byte aligned (offs {ends})"
+                return
+
+
 def _grouped_mm_violations(args, kwargs):
     mat_a, mat_b = args[0], args[1]
     offs = args[2] if len(args) > 2 else kwargs.get("offs")
@@ -487,6 +534,8 @@ def _grouped_mm_violations(args, kwargs):
     yield from _grouped_mm_mat("mat_b", mat_b)
     if mat_a.dtype != mat_b.dtype:
         yield f"mat_a {mat_a.dtype} and mat_b {mat_b.dtype} differ"
+    if offs is not None and offs.device.type == "cpu" and offs.dim() == 1:
+        yield from _grouped_mm_groups(mat_a, mat_b, offs)
     if offs is not None:
         if offs.dtype != torch.int32:
             yield f"offs dtype {offs.dtype}, the CUDA kernel needs torch.int32"
@@ -532,6 +581,8 @@ class _AtenMode(TorchDispatchMode):
                 elif packet == "_grouped_mm":
                     for detail in _grouped_mm_violations(args, kwargs):
                         _record("grouped_mm", str(func), detail, sync=False)
+                if packet in _MATMUL_PACKETS and not _busy():
+                    _record_dtype(func, args, kwargs)
             elif namespace in ("c10d", "_c10d_functional") and packet not in _COLLECTIVE_EXEMPT:
                 for detail in _collective_violations(func, args, kwargs):
                     _record("collective", str(func), detail, sync=False)
@@ -550,7 +601,12 @@ class StepSentinel:
     over every entry; `step_counts()` gives (host_syncs, violations) per entry.
     """
 
-    def __init__(self, device: torch.device | str | None = None):
+    def __init__(self, device: torch.device | str | None = None, compute_dtype: torch.dtype | None = None):
+        # compute_dtype (e.g. bf16): count compute kernels (matmuls, grouped_mm, SDPA) whose inputs
+        # are in another dtype, in `off_dtype_kernels` {(op, where, dtypes): count}; not a
+        # precondition violation (fp32 on purpose exists), the caller judges.
+        self.compute_dtype = compute_dtype
+        self.off_dtype_kernels: Counter = Counter()
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -590,6 +646,13 @@ class StepSentinel:
         syncs, violations = self._start
         self._steps.append((len(self.host_syncs) - syncs, len(self.violations) - violations))
         self._start = None
+
+    @staticmethod
+    @contextlib.contextmanager
+    def paused():
+        """Record nothing of this thread inside (a test's own instrumentation within a step)."""
+        with _suppressed():
+            yield
 
     def step_counts(self) -> list[tuple[int, int]]:
         """(host syncs, precondition violations) for each entered step, in order."""
