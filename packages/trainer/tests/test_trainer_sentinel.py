@@ -6,6 +6,7 @@ from pathlib import Path
 
 from plait.mesh.sentinel import StepSentinel
 from plait.mesh.testing import run_on_ranks
+from plait.trainer import testing
 from plait.trainer.testing import parity_args, train_in_process
 
 LLAMA = ["--config", "llama3_debugmodel", "--model.n_layers", "2", "--training.local_batch_size", "2"]
@@ -38,3 +39,9 @@ def test_dropless_ep_syncs_exactly_once_per_moe_layer_and_micro_batch(tmp_path):
     rows = results[0][2]
     assert [(r["host_syncs"], r["precondition_violations"]) for r in rows] == [(4, 0), (4, 0)]
     assert [r["moe_host_syncs"] for r in rows] == [4, 4]  # the dispatcher's own count agrees
+
+
+def test_train_with_sentinel_returns_every_ranks_counts(tmp_path):
+    rows, counts, reports = testing.train_with_sentinel(tmp_path, 2, *parity_args(steps=2), *LLAMA)
+    assert counts == [[(0, 0), (0, 0)]] * 2, reports
+    assert [(r["host_syncs"], r["precondition_violations"]) for r in rows] == [(0, 0), (0, 0)]

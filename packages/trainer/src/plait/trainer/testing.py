@@ -84,3 +84,22 @@ def train_in_process(dump: Path, *args: str, sentinel=None) -> list[dict]:
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic)
     return read_metrics(dump) if trainer.rank == 0 else []
+
+
+def _sentinel_rank(rank: int, world_size: int, dump: str, args: list[str]):
+    from plait.mesh.sentinel import StepSentinel
+
+    sentinel = StepSentinel()
+    rows = train_in_process(Path(dump), *args, sentinel=sentinel)
+    return rows, sentinel.step_counts(), sentinel.report()
+
+
+def train_with_sentinel(dump: Path, nproc: int, *args: str, timeout: float = 300) -> tuple[list[dict], list, list[str]]:
+    """Train on `nproc` CPU ranks (plait.mesh.testing.run_on_ranks, gloo; also for 1 rank, so the
+    caller's process keeps its settings) with a step sentinel on every rank. Returns rank 0's
+    metrics rows (with `host_syncs` and `precondition_violations`), every rank's
+    `step_counts()` and every rank's `report()`."""
+    from plait.mesh.testing import run_on_ranks
+
+    results = run_on_ranks(_sentinel_rank, nproc, str(dump), list(args), timeout=timeout)
+    return results[0][0], [r[1] for r in results], [r[2] for r in results]
