@@ -1,4 +1,4 @@
-"""FSDP over a tensor-parallel leaf unit (the embedding): FSDP's post-forward hook runs first.
+"""FSDP over the tensor-parallel embedding (its own FSDP unit): FSDP's post-forward hook runs first.
 
 Tensor parallel's output hook ends with `DTensor.to_local()`, which returns a view, and FSDP's
 post-forward hook (registered later, so it ran after it) hooks its pre-backward on whatever the
@@ -14,13 +14,14 @@ from torch import nn
 
 
 def fsdp_post_forward_first(model: nn.Module) -> list[str]:
-    """Re-register FSDP's post-forward hook at the front on every leaf module that is its own FSDP
-    unit and has other forward hooks (tensor parallel's); return the module paths changed."""
+    """Re-register FSDP's post-forward hook at the front on every embedding that is its own FSDP
+    unit and has other forward hooks (tensor parallel's); return the module paths changed. Only
+    embeddings: other units with hooks of their own (expert parallel's experts) keep their order."""
     from torch.distributed.fsdp import FSDPModule
 
     moved = []
     for path, module in model.named_modules():
-        if not isinstance(module, FSDPModule) or next(module.children(), None) is not None:
+        if not (isinstance(module, FSDPModule) and isinstance(module, nn.Embedding)):
             continue
         state = module._get_fsdp_state()
         handle = getattr(state, "_post_forward_hook_handle", None)
