@@ -2,8 +2,9 @@
 
 - One group padding rule (kernels.GROUP_ALIGNMENT) also at ep = 1: the grouped GEMM only ever sees
   groups whose starts are multiples of it, and the result equals the per-expert loop.
-- The combine is token-major (gather + sum over K), never a float scatter_add: equal to the
-  scatter_add form, and so is the gradient of the token gather.
+- Under deterministic algorithms (training.deterministic) the combine is token-major (gather +
+  sum over K), never a float scatter_add: equal to the scatter_add form, gradients too, bitwise
+  repeatable.
 - The sync-free Triton grouped GEMM (fp32 / non-Hopper CUDA) against torch._grouped_mm, forward and
   backward, under TRITON_INTERPRET=1.
 """
@@ -21,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from plait.models.moe import GroupedExperts, MoE, TokenChoiceTopKRouter
 from plait.models.moe.experts import run_experts_for_loop
 from plait.models.moe.kernels import GROUP_ALIGNMENT, group_alignment
-from plait.models.moe.moe import _GatherTokens
+from plait.models.moe.moe import _GatherTokens, _PermuteRows
 
 DIM, HIDDEN, E = 32, 48, 6
 
@@ -70,6 +71,15 @@ def test_ep1_groups_are_padded_to_the_rule_and_match_the_loop(dtype, tol):
         torch.testing.assert_close(p.grad, r.grad, atol=tol * float(r.grad.abs().max()), rtol=tol)
 
 
+def test_permute_rows_backward_is_the_inverse_gather():
+    x = torch.randn(6, 3, requires_grad=True)
+    index = torch.tensor([4, 0, 5, 1, 3, 2])
+    inverse = torch.empty_like(index).scatter_(0, index, torch.arange(6))
+    g = torch.randn(6, 3)
+    _PermuteRows.apply(x, index, inverse).backward(g)
+    torch.testing.assert_close(x.grad, torch.zeros(6, 3).index_add_(0, index, g))
+
+
 def test_token_gather_backward_is_the_token_major_sum_of_index_put():
     torch.manual_seed(0)
     T, K, D = 7, 3, 5
@@ -83,25 +93,32 @@ def test_token_gather_backward_is_the_token_major_sum_of_index_put():
     torch.testing.assert_close(x.grad, x_ref.grad)
 
 
-def test_moe_combine_equals_the_scatter_add_form_and_is_bitwise_repeatable():
+def _moe_grads(moe, x, deterministic):
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        xg = x.clone().requires_grad_()
+        y = moe(xg)
+        y.square().sum().backward()
+        grads = [xg.grad] + [p.grad.clone() for p in moe.parameters()]
+        moe.zero_grad()
+        return y.detach(), grads
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+def test_deterministic_combine_equals_the_scatter_add_form_and_repeats_bitwise():
     torch.manual_seed(0)
     moe = MoE(DIM, HIDDEN, E, 1, TokenChoiceTopKRouter(DIM, E, 2))
     moe.init_weights(0.3)
-    x = torch.randn(2, 5, DIM, requires_grad=True)
-    y = moe(x)
-    y.square().sum().backward()
-    # The old combine: outputs weighted in fp32, scatter_add into their tokens.
-    x_TD = x.detach().view(-1, DIM)
-    scores, selected, counts = moe.router(x_TD)
-    order = torch.argsort(selected.flatten(), stable=True)
-    routed = moe.experts(x_TD[order // 2], counts) * scores.flatten()[order][:, None]
-    ref = torch.zeros_like(x_TD).scatter_add_(0, (order // 2)[:, None].expand(-1, DIM), routed)
-    ref = ref + moe.shared_experts(x_TD)
-    torch.testing.assert_close(y.detach().view(-1, DIM), ref, atol=1e-6, rtol=1e-5)
-    grad = x.grad.clone()
-    x.grad = None
-    moe(x).square().sum().backward()
-    assert torch.equal(grad, x.grad)
+    x = torch.randn(2, 5, DIM)
+    y_scatter, g_scatter = _moe_grads(moe, x, False)
+    y_det, g_det = _moe_grads(moe, x, True)
+    torch.testing.assert_close(y_det, y_scatter, atol=1e-6, rtol=1e-5)
+    for a, b in zip(g_det, g_scatter):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    y_again, g_again = _moe_grads(moe, x, True)
+    assert torch.equal(y_again, y_det) and all(torch.equal(a, b) for a, b in zip(g_again, g_det))
 
 
 _TRITON_GMM = """
