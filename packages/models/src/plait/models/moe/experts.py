@@ -34,11 +34,12 @@ def _grouped_mm_outside_graph(a: torch.Tensor, b: torch.Tensor, offs: torch.Tens
 
 
 def _cuda_fast_grouped_mm(a: torch.Tensor) -> bool:
-    # torch's CUDA `_grouped_mm` runs its CUTLASS kernel only for bf16 on sm90 / sm100
-    # (`_scaled_mm_allowed_device(sm90_only, sm100_only)` in cuda/GroupedBlas.cpp); anything else
-    # takes `_grouped_mm_fallback`, which reads `offs` on the host: a sync on every call.
-    major, minor = torch.cuda.get_device_capability(a.device)
-    return a.dtype == torch.bfloat16 and major in (9, 10) and minor == 0
+    # torch's CUDA `_grouped_mm` runs its CUTLASS kernel only for bf16 on compute capability 9.x /
+    # 10.x (`_scaled_mm_allowed_device(sm90_only, sm100_only)`, major == 9 or 10, in
+    # cuda/GroupedBlas.cpp); anything else takes `_grouped_mm_fallback`, which reads `offs` on the
+    # host (`offs.cpu()`): a sync on every call.
+    major, _ = torch.cuda.get_device_capability(a.device)
+    return a.dtype == torch.bfloat16 and major in (9, 10)
 
 
 @torch.compiler.disable
