@@ -4,6 +4,7 @@ cannot resume, model overrides are recorded, write failures are one line, two ru
 a checkpoint folder."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -205,3 +206,179 @@ def test_resume_with_other_model_arguments_is_refused_naming_them(trained, tmp_p
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.count("\n") == 0 and "records no model arguments" in err and "layers.2" in err, err
     assert not (tmp_path / "hf").exists()
+
+
+# ---- 10. a save that cannot be written is one line; the last good checkpoint stays -------------
+
+
+class _Loader:
+    def state_dict(self):
+        return {"position": 0}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def manager(dump: Path, *overrides: str):
+    """A CheckpointManager of a tiny model in this process (no process group)."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    import torch
+
+    from plait.models import get_model_spec
+    from plait.trainer.checkpoint import CheckpointManager
+    from plait.trainer.config import build_config
+
+    pairs = [("job.dump_folder", str(dump)), ("checkpoint.enable", "true"), ("checkpoint.interval", "1"), *zip(overrides[::2], overrides[1::2])]
+    config = build_config({}, pairs)
+    spec = get_model_spec("llama3")
+    model = spec.model_cls(dataclasses.replace(spec.flavors["debugmodel"], n_layers=1, dim=64, n_heads=4, n_kv_heads=4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    dims = SimpleNamespace(world_size=1, dp_replicate=1, dp_shard=1, cp=1, tp=1, ep=1, etp=1)
+    return CheckpointManager(config, dims, model, optimizer, scheduler, _Loader(), rank=0)
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "dcp", "rng", "marker", "async"])
+def test_a_failed_save_is_one_line_naming_the_folder_and_keeps_the_last_good_one(tmp_path, monkeypatch, where):
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+
+    from plait.trainer import exit_codes
+    from plait.trainer.checkpoint import state
+    from plait.trainer.train import exit_code_of
+
+    mgr = manager(tmp_path, *(["checkpoint.async_mode", "async"] if where == "async" else []))
+    mgr.load()
+    mgr.after_step(1)
+    mgr._wait()
+    good = tmp_path / "checkpoints" / "step-000001"
+    assert store.verify_checksums(good, store.check(good)) is None
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    folder = tmp_path / "checkpoints"
+    if where == "under_a_file":  # a real failure, no patching (root ignores chmod): the folder became a file
+        (tmp_path / "a_file").write_text("")
+        folder = mgr.folder = tmp_path / "a_file" / "checkpoints"
+    elif where == "dcp":
+        monkeypatch.setattr(dcp, "save", full)
+    elif where == "rng":
+        monkeypatch.setattr(state, "save_rng", lambda *a: (_ for _ in ()).throw(RuntimeError(
+            "[enforce fail at inline_container.cc:664] . unexpected pos 704 vs 598")))
+    elif where == "marker":
+        monkeypatch.setattr(store, "write_marker", full)
+    else:  # the background write fails: what DCP's future raises
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+        monkeypatch.setattr(FileSystemWriter, "write_data", full)
+    with pytest.raises(store.CheckpointWriteError) as info:
+        mgr.after_step(2)
+        mgr.after_step(3, last=True)  # async: the failure surfaces when the save is waited for
+    message = str(info.value)
+    assert "\n" not in message and str(folder) in message and f"{good} (step 1)" in message
+    cause = {"rng": "unexpected pos 704 vs 598", "under_a_file": "Not a directory"}.get(where, "No space left on device")
+    assert cause in message, message
+    assert exit_code_of(info.value) == exit_codes.INFRA
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000001"]  # no half save left
+    assert store.verify_checksums(good, store.check(good)) is None
+
+
+# ---- 11. one run per checkpoint folder too; a stale lock is taken by exactly one run -------------
+
+
+def _race_for_the_lock(folder: str, start, done, wins) -> None:
+    import threading
+    import time
+
+    from plait.trainer.config import ConfigError
+    from plait.trainer.run_lock import RunLock
+
+    # Judging the holder takes a while (a slow /proc or network filesystem): the window in which
+    # the old code let a second racer delete the first one's fresh lock and take it too.
+    judge = RunLock._stale
+    RunLock._stale = lambda self, holder: (time.sleep(0.05), judge(self, holder))[1]
+    lock = RunLock(folder)
+    start.wait(timeout=60)
+    try:
+        lock.acquire()
+        wins.put(os.getpid())
+    except ConfigError:
+        pass
+    except Exception as e:  # the old code's double winners also collided writing exit_status
+        wins.put(f"{type(e).__name__}: {e}")
+    try:
+        done.wait(timeout=60)  # a winner stays alive until every racer has tried
+    except threading.BrokenBarrierError:
+        pass
+
+
+def test_a_stale_lock_is_taken_by_exactly_one_of_many_racing_processes(tmp_path):
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    racers = 12
+    for round in range(4):
+        folder = tmp_path / f"round{round}"
+        folder.mkdir()
+        (folder / ".plait-run.lock").write_text(json.dumps({"pid": dead.pid, "host": os.uname().nodename}))
+        start, done, wins = ctx.Barrier(racers), ctx.Barrier(racers), ctx.Queue()
+        procs = [ctx.Process(target=_race_for_the_lock, args=(str(folder), start, done, wins)) for _ in range(racers)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+        winners = []
+        while not wins.empty():
+            winners.append(wins.get())
+        assert len(winners) == 1, f"round {round}: {len(winners)} runs took the same stale lock"
+        assert json.loads((folder / ".plait-run.lock").read_text())["pid"] == winners[0]
+
+
+def _second_run_takes_its_locks(config, errors) -> None:
+    from plait.trainer.config import ConfigError
+    from plait.trainer.train import _take_run_lock
+
+    try:
+        _take_run_lock(config, rank=0).release(0)
+        errors.put("")
+    except ConfigError as e:
+        errors.put(str(e))
+
+
+def test_two_runs_with_one_checkpoint_folder_cannot_both_run(tmp_path):
+    import multiprocessing
+
+    from plait.trainer.config import build_config
+    from plait.trainer.train import _take_run_lock
+
+    shared = tmp_path / "shared-checkpoints"
+
+    def config(dump):
+        return build_config({}, [("job.dump_folder", str(tmp_path / dump)), ("checkpoint.enable", "true"),
+                                 ("checkpoint.folder", str(shared))])
+
+    def second_run() -> str:  # another process (forked: no second torch import), as rank 0 of run b
+        ctx = multiprocessing.get_context("fork")
+        errors = ctx.Queue()
+        proc = ctx.Process(target=_second_run_takes_its_locks, args=(config("b"), errors))
+        proc.start()
+        proc.join(60)
+        return errors.get(timeout=5)
+
+    first = _take_run_lock(config("a"), rank=0)
+    assert json.loads((shared / ".plait-checkpoint.lock").read_text())["dump_folder"] == str(tmp_path / "a")
+    error = second_run()
+    assert error.startswith("checkpoint.folder = ") and "is in use by another run" in error, error
+    assert f"dump folder {tmp_path / 'a'}, since" in error
+    assert (tmp_path / "b" / "exit_status").read_text() == "2\n"  # its dump folder's lock was given back
+    assert not (tmp_path / "b" / ".plait-run.lock").exists()
+    first.release(0)
+    assert second_run() == ""  # free again
+    assert not (shared / ".plait-checkpoint.lock").exists() and (tmp_path / "b" / "exit_status").read_text() == "0\n"
+    assert not (shared / "exit_status").exists()

@@ -5,9 +5,10 @@
     plait-train --nproc-per-node 2 --training.local_batch_size 4
     torchrun --nproc-per-node 8 -m plait.trainer --config llama3_8B.toml
 
-Exit codes (exit_codes.py; schedulers requeue on 75): 0 finished, 1 diverged, 2 configuration
-or checkpoint error, 75 stopped before its last step (SIGTERM), 130 interrupted. The code is also
-written to <job.dump_folder>/exit_status, since torchrun turns a rank's 75 into its own 1.
+Exit codes (exit_codes.py; schedulers requeue on 74 and 75): 0 finished, 1 unexpected error (a
+bug, with its traceback), 2 configuration or checkpoint error, 3 diverged, 74 infrastructure fault
+(I/O, out of memory, a rank died), 75 stopped before its last step (SIGTERM), 130 interrupted. The
+code is also written to <job.dump_folder>/exit_status, since torchrun turns a rank's code into 1.
 """
 
 import difflib
@@ -36,6 +37,7 @@ Settings (--section.key VALUE or --section.key=VALUE; booleans alone mean true):
 
 EXIT_FINISHED, EXIT_DIVERGED, EXIT_CONFIG = exit_codes.FINISHED, exit_codes.DIVERGED, exit_codes.CONFIG
 EXIT_STOPPED, EXIT_INTERRUPTED = exit_codes.STOPPED, exit_codes.INTERRUPTED
+EXIT_INFRA, EXIT_ERROR = exit_codes.INFRA, exit_codes.ERROR
 
 # What `plait-train` with no --config runs: the Llama 3 debug model on the shipped corpus.
 DEFAULT_CONFIG = "llama3_debugmodel.toml"
@@ -200,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         die_with_launcher()
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from .train import TrainingDiverged
+    from .train import TrainingDiverged, infrastructure_fault
 
     try:
         args = parse_args(argv)
@@ -241,6 +243,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("plait-train: interrupted.", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except exit_codes.InfrastructureFault as e:  # the same on every rank (a save fails on all)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"plait-train: error: {e} (exit {EXIT_INFRA}: requeue)", file=sys.stderr)
+        return EXIT_INFRA
+    except (OSError, MemoryError, RuntimeError) as e:
+        if not infrastructure_fault(e):
+            raise  # a bug: its traceback, exit 1
+        text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(f"plait-train: error: rank {os.environ.get('RANK', '0')}: infrastructure fault: {type(e).__name__}: "
+              f"{text[:300]} (exit {EXIT_INFRA}: requeue)", file=sys.stderr)
+        return EXIT_INFRA
 
 
 __all__ = ["main", "parse_args", "help_text"]

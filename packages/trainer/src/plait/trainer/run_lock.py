@@ -5,12 +5,21 @@ checkpoints and tear lines of metrics.jsonl. The lock is a file created with O_E
 local and NFS v3+ filesystems) holding the owner's pid, host and process start time. A lock whose
 owner is gone (same host, pid dead or reused by another process) is stale: it is taken over with
 a warning. A lock held from another host cannot be checked from here: the error says so.
+Deciding that a lock is stale and replacing it happen under an flock on a guard file next to it
+(`<lock>.guard`, never deleted; the kernel releases an flock when its process dies), so of many
+runs that find the same stale lock at once exactly one takes it.
+
+The checkpoint folder has its own lock (`<checkpoint.folder>/.plait-checkpoint.lock`, taken by
+rank 0): two runs with different dump folders and the same checkpoint.folder would otherwise
+delete each other's saves in progress.
 
 Who takes it: `plait-train --nproc-per-node N` takes it before starting any rank and tells the
 ranks through PLAIT_RUN_LOCK; under torchrun (or one process) rank 0 takes it before any
 collective and the verdict is broadcast, so every rank fails the same way and none waits.
 """
 
+import contextlib
+import fcntl
 import json
 import os
 import socket
@@ -21,6 +30,7 @@ from . import exit_codes
 from .config import ConfigError
 
 LOCK_NAME = ".plait-run.lock"
+CHECKPOINT_LOCK_NAME = ".plait-checkpoint.lock"
 # Set by the plait launcher for its ranks: the lock file it holds for them.
 HELD_BY_LAUNCHER = "PLAIT_RUN_LOCK"
 
@@ -51,16 +61,34 @@ def _alive(pid: int, start: str | None) -> bool:
 class RunLock:
     """The lock of one dump folder; `acquire` raises ConfigError (one line) if another run holds it."""
 
-    def __init__(self, dump_folder: str):
-        self.path = Path(dump_folder) / LOCK_NAME
-        self.owner = {"pid": os.getpid(), "host": socket.gethostname(), "start": _start_time(os.getpid())}
+    def __init__(self, dump_folder: str, name: str = LOCK_NAME, setting: str = "job.dump_folder",
+                 status: bool = True, note: dict | None = None):
+        self.path = Path(dump_folder) / name
+        self.setting = setting  # the setting the error names
+        self.status = status  # this lock's holder writes exit_status next to it
+        self.owner = {"pid": os.getpid(), "host": socket.gethostname(), "start": _start_time(os.getpid()),
+                      **(note or {})}
         self.held = False
+
+    @contextlib.contextmanager
+    def _guard(self):
+        """Serialise every acquirer of this lock (an flock: released by the kernel if we die)."""
+        fd = os.open(self.path.with_name(self.path.name + ".guard"), os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the flock
 
     def acquire(self) -> str | None:
         """Take the lock; return a warning when a stale lock was taken over, else None."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self._guard():
+            return self._acquire()
+
+    def _acquire(self) -> str | None:
         warning = None
-        for _ in range(3):  # a stale lock removed by a concurrent starter: try again
+        for _ in range(3):  # a lock file released (or being written) meanwhile: look again
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
@@ -69,10 +97,11 @@ class RunLock:
                     time.sleep(0.1)  # being written right now
                     holder = self._read()
                 if holder is not None and not self._stale(holder):
+                    dump = f", dump folder {holder['dump_folder']}" if holder.get("dump_folder") else ""
                     raise ConfigError(
-                        f"job.dump_folder = {str(self.path.parent)!r} is in use by another run (pid "
-                        f"{holder.get('pid')} on {holder.get('host')}, since {holder.get('since', '?')}): wait for "
-                        f"it or stop it, or use another job.dump_folder (if that run is gone, delete {self.path})."
+                        f"{self.setting} = {str(self.path.parent)!r} is in use by another run (pid "
+                        f"{holder.get('pid')} on {holder.get('host')}{dump}, since {holder.get('since', '?')}): wait "
+                        f"for it or stop it, or use another {self.setting} (if that run is gone, delete {self.path})."
                     ) from None
                 warning = f"took over the stale lock {self.path} of a run that is gone ({holder})"
                 self.path.unlink(missing_ok=True)
@@ -80,9 +109,10 @@ class RunLock:
             with os.fdopen(fd, "w") as f:
                 json.dump(dict(self.owner, since=time.strftime("%Y-%m-%dT%H:%M:%S")), f)
             self.held = True
-            self._write_status(exit_codes.RUNNING)  # stays if this run is SIGKILLed
+            if self.status:
+                self._write_status(exit_codes.RUNNING)  # stays if this run is SIGKILLed
             return warning
-        raise ConfigError(f"job.dump_folder: could not take the lock {self.path}; another run is starting there.")
+        raise ConfigError(f"{self.setting}: could not take the lock {self.path}; another run is starting there.")
 
     def _read(self) -> dict | None:
         try:
@@ -115,7 +145,8 @@ class RunLock:
             return
         self.held = False
         try:
-            self._write_status(str(exit_code))
+            if self.status:
+                self._write_status(str(exit_code))
         except OSError:
             pass
         try:
@@ -123,3 +154,21 @@ class RunLock:
                 self.path.unlink()
         except (OSError, ValueError):
             pass
+
+
+class RunLocks:
+    """The locks one run holds (dump folder, checkpoint folder), released together."""
+
+    def __init__(self):
+        self.locks: list[RunLock] = []
+        self.warnings: list[str] = []
+
+    def take(self, lock: RunLock) -> None:
+        warning = lock.acquire()  # raises ConfigError if another run holds it: not ours to release
+        self.locks.append(lock)
+        if warning:
+            self.warnings.append(warning)
+
+    def release(self, exit_code: int) -> None:
+        for lock in reversed(self.locks):
+            lock.release(exit_code)

@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,7 @@ from .metrics import MetricsLogger, peak_tflops
 from .moe_step import MoEStep
 from .optimizer import build_optimizer
 from .parallelize import parallelize
-from .run_lock import HELD_BY_LAUNCHER, RunLock
+from .run_lock import CHECKPOINT_LOCK_NAME, HELD_BY_LAUNCHER, RunLock, RunLocks
 from .validate import RunPlan, validate
 
 
@@ -79,17 +80,24 @@ class _StopSignal:
         signal.signal(signal.SIGTERM, self._previous)
 
 
-def _take_run_lock(config: Config, rank: int) -> RunLock | None:
-    """Rank 0 locks the dump folder (unless the plait launcher holds it for the ranks) and every
-    rank learns the verdict, so all fail with the same line and none waits in a collective."""
-    if os.environ.get(HELD_BY_LAUNCHER):
-        return None
-    lock, verdict = None, None
+def _take_run_lock(config: Config, rank: int) -> RunLocks | None:
+    """Rank 0 locks the dump folder (unless the plait launcher holds it for the ranks) and the
+    checkpoint folder, and every rank learns the verdict, so all fail with the same line and none
+    waits in a collective."""
+    locks, verdict = None, None
     if rank == 0:
-        lock = RunLock(config.job.dump_folder)
+        locks = RunLocks()
         try:
-            verdict = ("ok", lock.acquire())
+            if not os.environ.get(HELD_BY_LAUNCHER):
+                locks.take(RunLock(config.job.dump_folder))
+            c = config.checkpoint
+            folder = Path(config.job.dump_folder) / c.folder
+            if (c.enable or c.create_seed_checkpoint) and folder.resolve() != Path(config.job.dump_folder).resolve():
+                locks.take(RunLock(str(folder), CHECKPOINT_LOCK_NAME, "checkpoint.folder", status=False,
+                                   note={"dump_folder": os.path.abspath(config.job.dump_folder)}))
+            verdict = ("ok", locks.warnings)
         except ConfigError as e:
+            locks.release(exit_codes.CONFIG)
             verdict = ("error", str(e))
     if dist.is_initialized():
         box = [verdict]
@@ -98,9 +106,9 @@ def _take_run_lock(config: Config, rank: int) -> RunLock | None:
     kind, value = verdict
     if kind == "error":
         raise ConfigError(value)
-    if value and rank == 0:
-        print(f"plait-train: warning: {value}", flush=True)
-    return lock
+    for warning in value if rank == 0 else []:
+        print(f"plait-train: warning: {warning}", flush=True)
+    return locks
 
 
 def _data_exchange():
@@ -457,20 +465,40 @@ class Trainer:
 
 
 def exit_code_of(error: BaseException) -> int:
-    """The code plait-train exits with for an exception that ends the run."""
+    """The code plait-train exits with for an exception that ends the run (exit_codes.py)."""
     if isinstance(error, TrainingDiverged):
         return exit_codes.DIVERGED
-    if isinstance(error, ConfigError) or type(error).__name__ == "CheckpointException":
-        return exit_codes.CONFIG
     if isinstance(error, KeyboardInterrupt):
         return exit_codes.INTERRUPTED
-    return 1
+    if infrastructure_fault(error):
+        return exit_codes.INFRA
+    if isinstance(error, ConfigError) or type(error).__name__ == "CheckpointException":
+        return exit_codes.CONFIG
+    return exit_codes.ERROR
+
+
+# What a collective raises on the ranks that survive a rank that died (gloo / NCCL), by message.
+_LOST_PEER = ("connection closed by peer", "connection reset by peer", "broken pipe", "socket timeout",
+              "nccl error", "ncclremoteerror", "timed out", "process group has been destroyed")
+
+
+def infrastructure_fault(error: BaseException) -> bool:
+    """A fault of the machine rather than of the run: I/O, memory, a lost rank (requeue-able)."""
+    if isinstance(error, (exit_codes.InfrastructureFault, MemoryError, torch.OutOfMemoryError)):
+        return True
+    if isinstance(error, OSError) and not isinstance(error, (FileNotFoundError, NotADirectoryError,
+                                                             IsADirectoryError, PermissionError)):
+        return True  # ENOSPC, EIO, EROFS, ...; a missing or forbidden path is a configuration error
+    if isinstance(error, (dist.DistError, RuntimeError)):
+        text = str(error).lower()
+        return isinstance(error, dist.DistError) or any(m in text for m in _LOST_PEER)
+    return False
 
 
 def run(config: Config) -> bool:
     """One run; whether it finished its training.steps (False: stopped early by SIGTERM)."""
     trainer = None
-    code = 1
+    code = exit_codes.ERROR
     try:
         trainer = Trainer(config)
         finished = trainer.train()

@@ -18,9 +18,11 @@
 """
 
 import os
+import shutil
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from pathlib import Path
 
 import torch.distributed as dist
@@ -374,19 +376,28 @@ class CheckpointManager:
         self._wait()
         t0 = time.perf_counter()
         tmp = store.temp_path(self.folder, step, self.run_id)
-        tmp.mkdir(parents=True, exist_ok=True)
+        problem = None
+        try:  # a write that fails on one rank fails on every rank, with one line (no rank waits alone)
+            tmp.mkdir(parents=True, exist_ok=True)
+            if not model_only:
+                state.save_rng(tmp, self.rank)
+        except (OSError, RuntimeError) as e:  # torch.save's zip writer raises RuntimeError on a full disk
+            problem = store.cause_of(e)
+        self._raise_if_failed(step, tmp, _all_gather(problem))
         if model_only:
             sd = {state.MODEL: state.model_state(self.model)}
         else:
             sd = state.full_state(self.model, self.optimizer)
             sd[state.TRAIN_STATE] = state.train_state(step, self.scheduler, self.loader, self.config)
-            state.save_rng(tmp, self.rank)
         meta = self._meta(step, model_only)
         if background:
-            with store.single_process_quiet():
-                written = dcp.async_save(
-                    sd, checkpoint_id=str(tmp), process_group=self.async_group, no_dist=not dist.is_initialized()
-                )
+            try:
+                with store.single_process_quiet():
+                    written = dcp.async_save(
+                        sd, checkpoint_id=str(tmp), process_group=self.async_group, no_dist=not dist.is_initialized()
+                    )
+            except (Exception, CheckpointException) as e:
+                self._raise_if_failed(step, tmp, [store.cause_of(e)])
             if self.writer is None:
                 self.writer = ThreadPoolExecutor(1, thread_name_prefix="plait-checksums")
             future = self.writer.submit(self._hash_when_written, written, tmp)
@@ -395,15 +406,37 @@ class CheckpointManager:
             return
         if not model_only and os.environ.get(SLOW_SAVE):
             time.sleep(float(os.environ[SLOW_SAVE]))
-        with store.single_process_quiet():
-            dcp.save(sd, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+        try:
+            with store.single_process_quiet():
+                dcp.save(sd, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+        except (Exception, CheckpointException) as e:  # DCP gathers every rank's failure: all are here
+            self._raise_if_failed(step, tmp, [store.cause_of(e)])
         _test_kill(KILL_DURING_SAVE, step)
         crcs = self._gather_checksums(tmp, group=None)  # every rank's files are written and hashed
+        verdict = None
         if self.rank == 0:
-            self._publish(step, tmp, dict(meta, crcs=crcs), f"{time.perf_counter() - t0:.2f} s")
+            try:
+                self._publish(step, tmp, dict(meta, crcs=crcs), f"{time.perf_counter() - t0:.2f} s")
+            except (OSError, CheckpointError) as e:
+                verdict = store.cause_of(e)
+        self._raise_if_failed(step, tmp, [_broadcast(verdict)])
         if os.environ.get(KILL_AFTER_SAVE) == str(step):
             _barrier()  # published before anyone dies
             _test_kill(KILL_AFTER_SAVE, step)
+
+    def _raise_if_failed(self, step: int, tmp: Path, problems: list) -> None:
+        """Every rank: if any rank's part of this save failed, remove it (rank 0) and raise one
+        line naming the folder, the cause and the checkpoint a resume would use."""
+        problem = next((p for p in problems if p), None)
+        if problem is None:
+            return
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # this run's own temporary folder: frees the space
+        kept = f"{self.last_good[1]} (step {self.last_good[0]})" if self.last_good else "none of this run"
+        raise store.CheckpointWriteError(
+            f"checkpoint: could not save step {step} in {self.folder}: {problem}; nothing was published, the last "
+            f"good checkpoint is {kept}"
+        )
 
     def _hash_when_written(self, written, tmp: Path) -> dict | None:
         """Background thread: wait for DCP's write, then hash this rank's files (gathered on rank 0
@@ -414,7 +447,11 @@ class CheckpointManager:
     def _gather_checksums(self, tmp: Path, group) -> dict | None:
         """Each rank hashes the files it wrote; rank 0 gets {file: crc32} of all of them, others None."""
         world = dist.get_world_size() if dist.is_initialized() else 1
-        mine = store.checksums(tmp, store.owned_files(tmp, self.rank, world))
+        try:
+            mine = store.checksums(tmp, store.owned_files(tmp, self.rank, world))
+        except OSError as e:  # rank 0's publish reports it (write_marker finds a file without checksum)
+            mine = {}
+            print(f"plait-train: rank {self.rank}: checkpoint: cannot read back {tmp}: {store.cause_of(e)}", flush=True)
         if world == 1:
             return mine
         parts = [None] * world if self.rank == 0 else None
@@ -447,17 +484,20 @@ class CheckpointManager:
         """Block until the save in flight is written (and, on rank 0, published)."""
         if self.pending is not None:
             t0 = time.perf_counter()
-            self.pending[0].result()
+            wait_for([self.pending[0]])  # its failure, if any, is reported by _finish
             self._finish(*self.pending, waited=time.perf_counter() - t0)
 
     def _finish(self, future, step: int, tmp: Path, meta: dict, waited: float = 0.0) -> None:
         self.pending = None
         try:
             crcs = future.result()
-        except (Exception, CheckpointException) as e:
-            raise CheckpointError(f"the background save of step {step} to {tmp} failed: {e}") from e
+        except (Exception, CheckpointException) as e:  # DCP's async write failed (on some rank)
+            self._raise_if_failed(step, tmp, [f"the background write failed: {store.cause_of(e)}"])
         if self.rank == 0:
-            self._publish(step, tmp, dict(meta, crcs=crcs), f"written in the background, waited {waited:.2f} s")
+            try:
+                self._publish(step, tmp, dict(meta, crcs=crcs), f"written in the background, waited {waited:.2f} s")
+            except (OSError, CheckpointError) as e:
+                self._raise_if_failed(step, tmp, [store.cause_of(e)])
 
     def _hf_output(self, step: int) -> Path:
         return self.folder / f"hf-{store.step_name(step)}"

@@ -27,6 +27,7 @@ import zlib
 from pathlib import Path
 
 from ..config import ConfigError
+from ..exit_codes import InfrastructureFault
 
 MARKER = ".complete"
 DCP_METADATA = ".metadata"
@@ -47,6 +48,33 @@ def is_rng_file(name: str) -> bool:
 class CheckpointError(ConfigError):
     """A checkpoint that cannot be loaded (missing, incomplete, corrupt, another model); one line
     naming the checkpoint and the fix, printed by plait-train like a configuration error."""
+
+
+class CheckpointWriteError(InfrastructureFault):
+    """A save that could not be written (disk full, read-only, a failed background write): one
+    line naming the folder and the cause; the checkpoints already published stay."""
+
+
+def cause_of(error: BaseException) -> str:
+    """The root cause of a failed write, in words: the first OSError found through DCP's
+    per-rank failures and the exception chain ("No space left on device"), else the first line."""
+    seen, stack = set(), [error]
+    while stack:
+        e = stack.pop(0)
+        if isinstance(e, tuple):  # DCP's WrappedException: (exception, frames)
+            stack.extend(x for x in e if isinstance(x, BaseException))
+            continue
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.strerror:
+            return e.strerror + (f" ({e.filename})" if e.filename else "")
+        failures = getattr(e, "failures", None)  # CheckpointException: {rank: WrappedException}
+        if isinstance(failures, dict):
+            stack.extend(failures.values())
+        stack.extend([getattr(e, "exc", None), e.__cause__, e.__context__])
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 @contextlib.contextmanager
