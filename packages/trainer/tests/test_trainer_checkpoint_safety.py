@@ -382,3 +382,87 @@ def test_two_runs_with_one_checkpoint_folder_cannot_both_run(tmp_path):
     assert second_run() == ""  # free again
     assert not (shared / ".plait-checkpoint.lock").exists() and (tmp_path / "b" / "exit_status").read_text() == "0\n"
     assert not (shared / "exit_status").exists()
+
+
+# ---- 12. a stop names the checkpoint a resume will use ---------------------------------------------
+
+
+def test_the_stop_message_names_the_checkpoint_a_resume_uses(trained, tmp_path):
+    from plait.trainer.cli import _stopped_message
+    from plait.trainer.config import build_config
+
+    dump = copy_run(trained, tmp_path)
+    # The stop's own save was SIGKILLed past job.stop_grace_s: its temporary folder is all there is.
+    (dump / "checkpoints" / "step-000003.tmp-deadbeef").mkdir()
+    flip(dump / "checkpoints" / "step-000002" / ".metadata")  # and the newest is damaged on top
+    (dump / "checkpoints" / "step-000002" / ".metadata").write_bytes(b"x")
+
+    def message(*overrides):
+        pairs = [("job.dump_folder", str(dump)), *zip(overrides[::2], overrides[1::2])]
+        return _stopped_message(build_config({}, pairs))
+
+    text = message("checkpoint.enable", "true")
+    assert f"resumes from {dump / 'checkpoints' / 'step-000001'} (step 1)" in text, text
+    assert "step 1." in message("checkpoint.enable", "false") and "checkpoint.enable is false" in message()
+    assert "no complete checkpoint" in message("checkpoint.enable", "true", "checkpoint.folder", str(tmp_path / "none"))
+
+
+# ---- 9. the launcher names the rank that failed first and how; codes a scheduler can act on ------
+
+
+def test_failure_summary_names_the_first_rank_and_maps_signals_to_infrastructure():
+    from plait.trainer.cli import failure_summary
+
+    text, code = failure_summary({0: -15, 1: -9}, {0: 100, 1: 100}, 2)  # the issue's case: rank 1 OOM-killed
+    assert text.startswith("rank 1 of 2 failed first: it was killed by SIGKILL") and code == 74, text
+    assert "then rank 0 was killed by SIGTERM" in text
+    text, code = failure_summary({0: 74, 1: 3, 2: 75}, {0: 101, 1: 101, 2: 101}, 3)
+    assert text.startswith("rank 1 of 3 failed first: it exited 3 (diverged)") and code == 3, text
+    assert failure_summary({0: 2, 1: -9}, {0: 100, 1: 105}, 2)[1] == 2  # earlier wins over likelier
+
+
+def _rank_pids(launcher: int) -> dict[int, int]:
+    """{RANK: pid} of a launcher's rank processes (from their environment)."""
+    ranks = {}
+    for child in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (child / "stat").read_text()
+            environ = (child / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        rank = next((int(v[5:]) for v in environ if v.startswith(b"RANK=")), None)
+        if rank is not None and (parent == launcher or parent in ranks.values()):
+            ranks[rank] = int(child.name)
+    return ranks
+
+
+def test_a_rank_killed_by_sigkill_is_named_and_exits_74(tmp_path):
+    import signal
+    import time
+
+    from plait.trainer.cli import EXIT_INFRA
+
+    dump = tmp_path / "killed"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "plait.trainer", *TINY, "--nproc-per-node", "2", "--training.local_batch_size", "1",
+         "--training.steps", "100000", "--job.dump_folder", str(dump)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(),
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not (dump / "checkpoints" / "step-000001").is_dir():
+            assert proc.poll() is None, proc.communicate()[1][-2000:]
+            time.sleep(0.5)
+        ranks = {}
+        while time.monotonic() < deadline and len(ranks) < 2:
+            ranks = _rank_pids(proc.pid)
+            time.sleep(0.2)
+        os.kill(ranks[1], signal.SIGKILL)  # what the OOM killer does
+        _, err = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    last = err.strip().splitlines()[-1]
+    assert proc.returncode == EXIT_INFRA, err[-3000:]
+    assert last.startswith("plait-train: rank 1 of 2 failed first: it was killed by SIGKILL"), last
+    assert (dump / "exit_status").read_text() == f"{EXIT_INFRA}\n"

@@ -13,6 +13,7 @@ code is also written to <job.dump_folder>/exit_status, since torchrun turns a ra
 
 import difflib
 import os
+import signal
 import sys
 from dataclasses import dataclass, field
 
@@ -132,7 +133,7 @@ def _under_launcher() -> bool:
     return "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
 
 
-def launch(nproc: int, forward: list[str], stop_grace_s: int) -> int:
+def launch(nproc: int, forward: list[str], stop_grace_s: int, config=None) -> int:
     """Start `nproc` local ranks of `python -m plait.trainer <forward>` with torch's elastic launcher.
 
     On SIGTERM the launcher forwards it to the ranks (which finish their step and save) and waits
@@ -151,26 +152,78 @@ def launch(nproc: int, forward: list[str], stop_grace_s: int) -> int:
     try:
         run(launcher_args)
     except ChildFailedError as e:
-        failures = e.failures
-        rank, failure = min(failures.items())
-        if failure.exitcode == EXIT_STOPPED:
-            print(_stopped_message(), file=sys.stderr)
+        codes = {rank: failure.exitcode for rank, failure in e.failures.items()}
+        if all(code == EXIT_STOPPED for code in codes.values()):
+            print(f"plait-train: {_stopped_message(config)}", file=sys.stderr)
             return EXIT_STOPPED
-        print(
-            f"plait-train: rank {rank} of {nproc} failed with exit code {failure.exitcode} (see its output above).",
-            file=sys.stderr,
-        )
-        return failure.exitcode if failure.exitcode > 0 else 1
+        timestamps = {rank: failure.timestamp for rank, failure in e.failures.items()}
+        summary, code = failure_summary(codes, timestamps, nproc)
+        print(f"plait-train: {summary}", file=sys.stderr)
+        return code
     except SignalException as e:
         # The ranks got the signal too and stopped after their step (and its checkpoint); the run
         # did not finish its steps, so a scheduler must see a failure and requeue it.
-        print(f"plait-train: stopped by signal {e.sigval}; {_stopped_message()}", file=sys.stderr)
+        print(f"plait-train: stopped by signal {e.sigval}; {_stopped_message(config)}", file=sys.stderr)
         return EXIT_STOPPED
     return EXIT_FINISHED
 
 
-def _stopped_message() -> str:
-    return f"the run stopped before its last step (exit {EXIT_STOPPED}): run the same command to resume."
+def _how(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        why = {"SIGKILL": ": the OOM killer, or killed by hand", "SIGSEGV": ": a crash in native code",
+               "SIGBUS": ": a memory / filesystem fault"}.get(name, "")
+        return f"was killed by {name}{why}"
+    meaning = {EXIT_ERROR: "an unexpected error (traceback above)", EXIT_CONFIG: "a configuration or checkpoint error",
+               EXIT_DIVERGED: "diverged", EXIT_INFRA: "an infrastructure fault", EXIT_STOPPED: "stopped (SIGTERM)"}
+    return f"exited {code} ({meaning.get(code, 'see its output above')})"
+
+
+# How likely a rank's ending is the cause rather than a consequence of another rank's: the
+# launcher SIGTERMs the survivors (-15, or 75 when they stop cleanly), and their collectives
+# fail with a lost peer (74) once one rank is gone.
+def _consequence(code: int) -> int:
+    return {-int(signal.SIGTERM): 4, EXIT_STOPPED: 3, EXIT_INFRA: 2}.get(code, 0 if code < 0 else 1)
+
+
+def failure_summary(codes: dict[int, int], timestamps: dict[int, int], nproc: int) -> tuple[str, int]:
+    """One line naming the rank that failed first and how, the others after it, and the code the
+    launcher exits with: the first rank's own, or 74 (infrastructure) for a rank killed by a signal."""
+    first = min(codes, key=lambda r: (timestamps.get(r, 0), _consequence(codes[r]), r))
+    code = codes[first]
+    exit_code = EXIT_INFRA if code < 0 else code
+    others = ", ".join(f"rank {r} {_how(c).split(' (')[0]}" for r, c in sorted(codes.items()) if r != first)
+    then = f"; then {others}" if others else ""
+    return (f"rank {first} of {nproc} failed first: it {_how(code)}{then}. plait-train exits {exit_code}"
+            f"{' (requeue)' if exit_code in exit_codes.REQUEUE else ''}."), exit_code
+
+
+def _stopped_message(config=None) -> str:
+    """Which checkpoint the same command resumes from, read from the folder (the stop's own save
+    may have been cut off by the grace running out, so this is not assumed)."""
+    stopped = f"the run stopped before its last step (exit {EXIT_STOPPED})"
+    if config is None:
+        return f"{stopped}: run the same command to resume."
+    from pathlib import Path
+
+    from .checkpoint import store
+
+    c = config.checkpoint
+    if not c.enable:
+        return f"{stopped}; checkpoint.enable is false, so the same command trains again from step 1."
+    folder = Path(config.job.dump_folder) / c.folder
+    if c.load_step >= 0:
+        return f"{stopped}; the same command resumes from checkpoint.load_step = {c.load_step} ({folder})."
+    try:
+        path, meta, _ = store.newest_complete(folder)
+    except OSError:
+        path = meta = None
+    if path is None:
+        return f"{stopped}; no complete checkpoint in {folder}: the same command trains again from step 1."
+    return f"{stopped}; the same command resumes from {path} (step {meta['step']}), the newest complete checkpoint."
 
 
 def _launch_holding_the_lock(config, nproc: int, forward: list[str]) -> int:
@@ -182,9 +235,9 @@ def _launch_holding_the_lock(config, nproc: int, forward: list[str]) -> int:
     if warning:
         print(f"plait-train: warning: {warning}", file=sys.stderr)
     os.environ[HELD_BY_LAUNCHER] = str(lock.path)
-    code = EXIT_DIVERGED  # if launch itself raises
+    code = EXIT_ERROR  # if launch itself raises
     try:
-        code = launch(nproc, forward, config.job.stop_grace_s)
+        code = launch(nproc, forward, config.job.stop_grace_s, config)
         return code
     finally:
         lock.release(code)
@@ -226,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
 
         finished = run(config)
         if not finished and os.environ.get("LOCAL_RANK", "0") == "0":
-            print(f"plait-train: {_stopped_message()}", file=sys.stderr)
+            print(f"plait-train: {_stopped_message(config)}", file=sys.stderr)
         return EXIT_FINISHED if finished else EXIT_STOPPED
     except ConfigError as e:
         print(f"plait-train: error: {e}", file=sys.stderr)
