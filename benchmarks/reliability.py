@@ -134,9 +134,11 @@ def gone(pid: int) -> bool:
 
 
 class Matrix:
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, references: bool = True):
         self.root = root
         self.rows: list[Row] = []
+        if not references:  # --only rows that need no reference runs
+            return
         # Uninterrupted references: 1 rank and 2 ranks (FSDP), 12 steps, a checkpoint every 4.
         self.ref1 = self.fresh("ref1")
         self.check(cli(self.ref1, "--training.steps", "12", "--checkpoint.interval", "4"), 0)
@@ -238,6 +240,15 @@ class Matrix:
             )
             return
         result = cli(dump, *args)
+        if file.startswith("rng-rank"):  # model and optimizer verify: resumed there, re-seeded (issue 27)
+            self.add(
+                f"bytes flipped in {file} of the newest, auto-resume",
+                str(result.returncode),
+                f"{steps(dump)}: warned, resumed step 12 re-seeded (nothing left to train)",
+                "n/a",
+                result.returncode == 0 and "step-000012 (step 12" in result.stdout and "re-seeded" in result.stdout,
+            )
+            return
         self.add(
             f"bytes flipped in {file} of the newest, auto-resume",
             str(result.returncode),
@@ -280,18 +291,20 @@ class Matrix:
             wait_for_step(proc, 2)
             t0 = time.monotonic()
             proc.send_signal(signal.SIGTERM)
-            proc.communicate(timeout=grace_s + 120)
+            _, err = proc.communicate(timeout=grace_s + 120)
             took = time.monotonic() - t0
         finally:
             proc.kill()
         saved = steps(dump)
         fits = grace_s > save_s
+        # The stop message names the checkpoint a resume uses (issue 27), not only "resume".
+        named = (f"resumes from {dump / 'checkpoints'}" in err) if saved else "no complete checkpoint" in err
         self.add(
             f"SIGTERM to plait-train --nproc-per-node 2, a {save_s} s save, stop_grace_s {grace_s}",
             f"{proc.returncode} after {took:.0f} s (exit_status {exit_status(dump)})",
             f"{saved}" + (" (saved at the stop step)" if fits else " (ranks SIGKILLed mid-save: nothing half-published)"),
             "n/a",
-            proc.returncode == 75 and bool(saved) == fits and not unpublished_but_named(dump),
+            proc.returncode == 75 and bool(saved) == fits and not unpublished_but_named(dump) and named,
         )
 
     def sigkill_launcher(self) -> None:
@@ -418,6 +431,97 @@ json.dump(a.hf_config(args), open(out + "/config.json", "w"))
             and "--checkpoint.load_step 2" in again.stderr,
         )
 
+    # ---- issue 27: checkpoints (hf_export, damaged folders, model args, locks, stops, exit codes) ----
+
+    def export_cli(self, checkpoint: Path, output: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "plait.trainer.checkpoint.hf_export", "--checkpoint",
+                               str(checkpoint), "--output", str(output)], capture_output=True, text=True, env=ENV,
+                              timeout=300)  # fmt: skip
+
+    def checkpoints27(self) -> None:
+        """One short 2-layer run (a checkpoint per step), then faults on copies of it."""
+        tiny = ["--model.n_layers", "2", "--checkpoint.interval", "1"]
+        base = self.fresh("ck27")
+        self.check(cli(base, *tiny, "--training.steps", "2"), 0)
+
+        def files(folder: Path) -> dict:
+            return {str(f.relative_to(folder)): f.stat().st_size for f in folder.rglob("*")
+                    if f.is_file() and f.name not in ("exit_status",)}
+
+        for name, target in (("the run folder", lambda d: d), ("the checkpoint", lambda d: d / "checkpoints" / "step-000002")):
+            dump = self.fresh(f"ck27_export_{len(self.rows)}", copy_of=base)
+            before = files(dump)
+            result = self.export_cli(dump / "checkpoints" / "step-000002", target(dump))
+            self.add(f"hf_export --output {name}", str(result.returncode), f"{steps(dump)}, every file kept: "
+                     f"'{result.stderr.strip().splitlines()[-1][18:80]}'", "n/a (refused)",
+                     result.returncode == 2 and files(dump) == before and "Traceback" not in result.stderr)
+        out = self.root / "ck27_hf"
+        result = self.export_cli(base / "checkpoints" / "step-000002", out)
+        layers = json.loads((out / "config.json").read_text())["num_hidden_layers"] if out.is_dir() else None
+        self.add("hf_export of a --model.n_layers 2 checkpoint", str(result.returncode), f"config: {layers} layers",
+                 "n/a", result.returncode == 0 and layers == 2)
+
+        dump = self.fresh("ck27_rng", copy_of=base)
+        for step in (1, 2):
+            flip(dump / "checkpoints" / f"step-00000{step}" / "rng-rank00000.pt")
+        result = cli(dump, *tiny, "--training.steps", "3")
+        self.add("rng-rank00000.pt damaged in every checkpoint", str(result.returncode),
+                 f"{steps(dump)}: resumed step 2, re-seeded (warned)", "n/a (RNG re-seeded)",
+                 result.returncode == 0 and "step-000002 (step 2" in result.stdout and "re-seeded" in result.stdout)
+
+        dump = self.fresh("ck27_all_bad", copy_of=base)
+        for step in (1, 2):
+            flip(dump / "checkpoints" / f"step-00000{step}" / "__0_0.distcp")
+        before = files(dump)
+        refused = cli(dump, *tiny, "--training.steps", "2")
+        kept = files(dump) == before
+        fresh = cli(dump, *tiny, "--training.steps", "2", "--checkpoint.allow_fresh_start", "true")
+        rejected = sorted(p.name[:11] for p in (dump / "checkpoints").glob("step-*.rejected-*"))
+        self.add("every checkpoint's data damaged; then --checkpoint.allow_fresh_start",
+                 f"{refused.returncode}, then {fresh.returncode}", f"kept: {rejected} as .rejected-*",
+                 "n/a (refused, then step 1 on request)",
+                 refused.returncode == 2 and "allow_fresh_start" in refused.stderr and kept and fresh.returncode == 0
+                 and len(rejected) == 2 and any(dump.glob("metrics.jsonl.replaced-*")))
+
+        dump = self.fresh("ck27_args", copy_of=base)
+        result = cli(dump, *tiny, "--training.steps", "3", "--model.rope_theta", "10000")
+        self.add("resume with another --model.rope_theta", str(result.returncode), f"{steps(dump)} untouched",
+                 "n/a (refused, one line)", result.returncode == 2 and "rope_theta 500000" in result.stderr)
+
+        shared = self.root / "ck27_shared"
+        first = start(self.fresh("ck27_a"), "--checkpoint.folder", str(shared), "--checkpoint.interval", "1")
+        try:
+            wait_for_step(first, 2)
+            second = cli(self.fresh("ck27_b"), "--training.steps", "4", "--checkpoint.folder", str(shared))
+            first.send_signal(signal.SIGTERM)
+            first.communicate(timeout=120)
+        finally:
+            first.kill()
+        self.add("a second run, another dump folder, the same checkpoint.folder", f"{second.returncode}; first "
+                 f"{first.returncode}", "the first run's, untouched", "n/a (refused, one line)",
+                 second.returncode == 2 and "checkpoint.folder" in second.stderr and first.returncode == 75)
+
+    def rank_killed(self) -> None:
+        """SIGKILL to rank 1 of plait-train --nproc-per-node 2 (the OOM killer): named, exit 74."""
+        dump = self.fresh("rank_killed")
+        proc = start(dump, *TWO_RANKS)
+        try:
+            wait_for_step(proc, 2)
+            ranks = {}
+            for pid in children(proc.pid):
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                rank = next((int(v[5:]) for v in environ if v.startswith(b"RANK=")), None)
+                if rank is not None:
+                    ranks[rank] = pid
+            os.kill(ranks[1], signal.SIGKILL)
+            _, err = proc.communicate(timeout=180)
+        finally:
+            proc.kill()
+        last = err.strip().splitlines()[-1] if err.strip() else ""
+        self.add("SIGKILL to rank 1 of plait-train --nproc-per-node 2 (OOM killer)",
+                 f"{proc.returncode} (exit_status {exit_status(dump)})", f"'{last[13:75]}'", "n/a",
+                 proc.returncode == 74 and "rank 1 of 2 failed first" in last and exit_status(dump) == "74")
+
     def new_lr(self) -> None:
         dump = self.fresh("new_lr", copy_of=self.ref1)
         shutil.rmtree(dump / "checkpoints" / "step-000012")
@@ -433,10 +537,37 @@ json.dump(a.hf_config(args), open(out + "/config.json", "w"))
         )
 
 
+# Groups of rows that run alone (`--only NAME[,NAME]`), without the reference runs.
+ONLY = {
+    "checkpoints27": lambda m: m.checkpoints27(),
+    "rank_killed": lambda m: m.rank_killed(),
+    "grace": lambda m: m.sigterm_slow_save(grace_s=5, save_s=20),
+}
+
+
+def table(m: "Matrix", t0: float, root: Path) -> int:
+    print(f"\n{len(m.rows)} faults in {time.monotonic() - t0:.0f} s\n")
+    print("| fault | exit code | checkpoints after | resumed loss equal | good state kept |")
+    print("| --- | --- | --- | --- | --- |")
+    for r in m.rows:
+        print(f"| {r.fault} | {r.exit_codes} | {r.checkpoints} | {r.resumed_equal} | {'yes' if r.good_state_kept else 'NO'} |")
+    shutil.rmtree(root, ignore_errors=True)
+    return 0 if all(r.good_state_kept for r in m.rows) else 1
+
+
 def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="plait-reliability-"))
     t0 = time.monotonic()
     print(f"fault matrix in {root}", flush=True)
+    if "--only" in sys.argv:
+        names = sys.argv[sys.argv.index("--only") + 1].split(",")
+        unknown = [n for n in names if n not in ONLY]
+        if unknown:
+            sys.exit(f"--only: unknown {unknown}; choose from {', '.join(ONLY)}")
+        m = Matrix(root, references=False)
+        for name in names:
+            ONLY[name](m)
+        return table(m, t0, root)
     m = Matrix(root)
     m.nan()
     m.timeline()
@@ -480,6 +611,9 @@ def main() -> int:
     m.refused("--data.prefetch 100000", "--data.prefetch", "100000")
     m.refused("--parallelism.expert_capacity_factor -1 at ep 1", "--parallelism.expert_capacity_factor", "-1")
     m.diverge_again()
+    # issue 27: checkpoints, locks, stops and exit codes
+    m.checkpoints27()
+    m.rank_killed()
 
     print(f"\n{len(m.rows)} faults in {time.monotonic() - t0:.0f} s\n")
     print("| fault | exit code | checkpoints after | resumed loss equal | good state kept |")

@@ -90,7 +90,7 @@ def test_a_diverged_run_publishes_no_nan_state_and_names_the_last_good_checkpoin
     err = one_error_line(result)
     assert "is nan at step 5" in err and "last good checkpoint is" in err and "step-000004 (step 4)" in err
     assert complete_steps(dump) == [2, 4]  # keep_last pruned nothing for the NaN state
-    assert (dump / "exit_status").read_text() == "1\n"
+    assert (dump / "exit_status").read_text() == f"{EXIT_DIVERGED}\n"
     diverged = losses(dump)
     assert max(diverged) == 6 and all(diverged[s] == diverged[s] for s in (1, 2, 3, 4))  # finite up to the save
     assert not list((dump / "checkpoints").glob("*.tmp-*"))

@@ -82,9 +82,12 @@ class RunLock:
 
     def acquire(self) -> str | None:
         """Take the lock; return a warning when a stale lock was taken over, else None."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self._guard():
-            return self._acquire()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self._guard():
+                return self._acquire()
+        except OSError as e:  # a path under a file, a read-only or full disk: one line, not a traceback
+            raise ConfigError(f"{self.setting} = {str(self.path.parent)!r} cannot be used: {e.strerror}") from None
 
     def _acquire(self) -> str | None:
         warning = None

@@ -33,6 +33,7 @@ MARKER = ".complete"
 DCP_METADATA = ".metadata"
 _STEP = re.compile(r"step-(\d+)")
 _TMP = re.compile(r"step-(\d+)\.tmp-([0-9a-f]+)")
+_OLD = re.compile(r"step-\d+\.old")
 # Files a rank writes itself: DCP's data files __<rank>_<n>.distcp and the RNG file rng-rank<rank>.pt.
 _RANK_FILE = re.compile(r"__(\d+)_.*|rng-rank(\d+)\.pt")
 _CHUNK = 8 << 20
@@ -316,7 +317,8 @@ def remove_stale_temporaries(folder: Path, run_id: str) -> list[Path]:
     stale = []
     for path in folder.iterdir():
         match = _TMP.fullmatch(path.name)
-        if (match and match.group(2) != run_id) or path.name.endswith(".old"):
+        # (".old": a replaced save of ours that a killed publish left; never another name of the user's)
+        if (match and match.group(2) != run_id) or _OLD.fullmatch(path.name):
             shutil.rmtree(path, ignore_errors=True)
             stale.append(path)
     return stale
