@@ -1,6 +1,7 @@
 """The fault matrix of issue 13 against `plait-train`, in real subprocesses with real signals.
 
     python benchmarks/reliability.py            # or: nox -s reliability   (5-10 min on 2 CPU cores)
+    python benchmarks/reliability.py --only checkpoints27,rank_killed,grace   # groups alone (see ONLY)
 
 Each row injects one fault into a short run of the Llama 3 debug model (fp32, deterministic, 2
 sequences of 64 tokens per step, warmup 2 then a constant lr, so the schedule does not depend on
