@@ -219,7 +219,7 @@ class _Loader:
         pass
 
 
-def manager(dump: Path, *overrides: str):
+def manager(dump: Path, *overrides: str, rank: int = 0, world_size: int = 1):
     """A CheckpointManager of a tiny model in this process (no process group)."""
     import dataclasses
     from types import SimpleNamespace
@@ -236,8 +236,8 @@ def manager(dump: Path, *overrides: str):
     model = spec.model_cls(dataclasses.replace(spec.flavors["debugmodel"], n_layers=1, dim=64, n_heads=4, n_kv_heads=4))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    dims = SimpleNamespace(world_size=1, dp_replicate=1, dp_shard=1, cp=1, tp=1, ep=1, etp=1)
-    return CheckpointManager(config, dims, model, optimizer, scheduler, _Loader(), rank=0)
+    dims = SimpleNamespace(world_size=world_size, dp_replicate=1, dp_shard=1, cp=1, tp=1, ep=1, etp=1)
+    return CheckpointManager(config, dims, model, optimizer, scheduler, _Loader(), rank=rank)
 
 
 @pytest.mark.parametrize("where", ["under_a_file", "dcp", "rng", "marker", "async"])
@@ -466,3 +466,39 @@ def test_a_rank_killed_by_sigkill_is_named_and_exits_74(tmp_path):
     assert proc.returncode == EXIT_INFRA, err[-3000:]
     assert last.startswith("plait-train: rank 1 of 2 failed first: it was killed by SIGKILL"), last
     assert (dump / "exit_status").read_text() == f"{EXIT_INFRA}\n"
+
+
+def _one_rank_cannot_write(rank: int, world_size: int, dump: str, failing: str) -> str:
+    """2 gloo ranks save step 1, then rank 1's part of step 2 fails: every rank must raise the same line."""
+    import errno
+
+    from plait.trainer.checkpoint import state
+
+    mgr = manager(Path(dump), rank=rank, world_size=world_size)
+    mgr.load()
+    mgr.after_step(1)
+    if rank == 1 and failing == "rng":
+        def full(*args):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        state.save_rng = full
+    if rank == 0 and failing == "marker":
+        def read_only(*args):
+            raise OSError(errno.EROFS, "Read-only file system")
+
+        store.write_marker = read_only
+    try:
+        mgr.after_step(2)
+    except store.CheckpointWriteError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("failing", ["rng", "marker"])
+def test_a_write_failing_on_one_rank_fails_every_rank_with_one_line(tmp_path, failing):
+    from plait.mesh.testing import run_on_ranks
+
+    messages = run_on_ranks(_one_rank_cannot_write, 2, str(tmp_path), failing, timeout=120)
+    cause = "No space left on device" if failing == "rng" else "Read-only file system"
+    assert messages[0] == messages[1] and cause in messages[0] and "step 2" in messages[0], messages
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000001"]

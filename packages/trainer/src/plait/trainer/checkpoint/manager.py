@@ -420,6 +420,8 @@ class CheckpointManager:
             except (OSError, CheckpointError) as e:
                 verdict = store.cause_of(e)
         self._raise_if_failed(step, tmp, [_broadcast(verdict)])
+        if not model_only:  # every rank knows the last good checkpoint (for its error lines)
+            self.last_good = (step, self.folder / store.step_name(step))
         if os.environ.get(KILL_AFTER_SAVE) == str(step):
             _barrier()  # published before anyone dies
             _test_kill(KILL_AFTER_SAVE, step)
@@ -498,6 +500,8 @@ class CheckpointManager:
                 self._publish(step, tmp, dict(meta, crcs=crcs), f"written in the background, waited {waited:.2f} s")
             except (OSError, CheckpointError) as e:
                 self._raise_if_failed(step, tmp, [store.cause_of(e)])
+        elif not meta["model_only"]:
+            self.last_good = (step, self.folder / store.step_name(step))  # rank 0 publishes it
 
     def _hf_output(self, step: int) -> Path:
         return self.folder / f"hf-{store.step_name(step)}"
