@@ -9,7 +9,8 @@ README's table):
   counted twice, not a wrong gradient of the same size);
 - every parameter's gradient, gathered whole, at step 1 (same weights, same data: a difference is
   the layout's arithmetic alone) and, in fp32, at the last step: max over parameters of
-  |g - g_ref| / |g_ref|. This is what catches a gradient that goes to the wrong place;
+  |g - g_ref| / |g_ref|. This is what catches a gradient that goes to the wrong place. (bf16:
+  the MoE modules' parameters excepted, see _capture_gradients: a flipped top-k choice moves them);
 - the step sentinel (plait.mesh.sentinel): host syncs per step equal the expected count (0 for
   dense models and capacity mode; one per MoE layer and micro-batch for dropless expert parallel,
   under activation checkpointing too) and zero kernel-precondition violations;
@@ -237,11 +238,13 @@ def _full_grads(model) -> dict[str, torch.Tensor]:
     return grads
 
 
-def _param_grad_diff(grads: dict, ref: dict) -> tuple[float, str]:
-    """max over parameters of |g - g_ref| / |g_ref|, and the parameter where it is largest."""
+def _param_grad_diff(grads: dict, ref: dict, skip: tuple[str, ...] = ()) -> tuple[float, str]:
+    """max over parameters (but those under `skip`) of |g - g_ref| / |g_ref|, and where it is largest."""
     assert grads.keys() == ref.keys(), sorted(set(grads) ^ set(ref))
     worst = (0.0, "")
     for name, g_ref in ref.items():
+        if name.startswith(skip):
+            continue
         diff = ((grads[name] - g_ref).norm() / g_ref.norm().clamp(min=1e-30)).item()
         worst = max(worst, (diff, name))
     return worst
@@ -256,6 +259,12 @@ def _capture_gradients(trainer, rank: int, grads_dir: str, key: str, reference: 
     ranks), and on rank 0 save them and diff them with the reference's; returns {step: (diff, name)}."""
     param_diffs = {}
     optimizer_step = trainer.optimizer.step
+    # In bf16 a top-k choice can flip between layouts at step 1 already (measured: FSDP x TP vs FSDP):
+    # it moves the router's and the routed experts' gradients by about 1 / (rows an expert got), 2-3 %
+    # at this size, while the loss moves by far less. The MoE modules' own parameters are compared
+    # in fp32, where routing agrees; in bf16 through the loss, like everything downstream of a flip.
+    moe_modules = {path.rsplit(".", 1)[0] for path in trainer.plan.info.get("experts", ())}
+    skip = tuple(f"{path}." for path in moe_modules) if dtype == "bfloat16" else ()
 
     def step_and_capture(*args, **kwargs):
         if trainer.step in _grad_steps(dtype):
@@ -267,7 +276,7 @@ def _capture_gradients(trainer, rank: int, grads_dir: str, key: str, reference: 
                     torch.save(grads, _grad_file(grads_dir, key, trainer.step))
                     if reference is not None:
                         ref = torch.load(_grad_file(grads_dir, reference, trainer.step))
-                        param_diffs[trainer.step] = _param_grad_diff(grads, ref)
+                        param_diffs[trainer.step] = _param_grad_diff(grads, ref, skip)
         return optimizer_step(*args, **kwargs)
 
     trainer.optimizer.step = step_and_capture
@@ -345,10 +354,10 @@ def runs(request, tmp_path_factory):
     entries = _needed(selected)
 
     def get(ranks: int) -> dict:
-        if 1 not in done:
-            done[1] = _run_world(1, tmp_path_factory.mktemp("world1"), grads_dir, entries)
-        if ranks not in done:
-            done[ranks] = _run_world(ranks, tmp_path_factory.mktemp(f"world{ranks}"), grads_dir, entries)
+        # Smaller worlds first: they hold the references (one rank; the FSDP-policy anchor on two).
+        for size in sorted({1, ranks} | {layout.ranks for layout, _, _ in entries if layout.ranks < ranks}):
+            if size not in done:
+                done[size] = _run_world(size, tmp_path_factory.mktemp(f"world{size}"), grads_dir, entries)
         return done[ranks]
 
     return get
