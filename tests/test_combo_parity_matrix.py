@@ -77,8 +77,10 @@ MOE_LAYERS = 2
 TOLERANCE = 1e-5
 GRAD_NORM_RTOL = 1e-4
 PARAM_GRAD_RTOL = 1e-4  # fp32, per parameter, relative to the reference gradient's norm
-BF16_FACTOR = 4
-CROSS_POLICY_FACTOR = 32
+# Measured on the first full run: same-policy entries reach 3.6x the floor (loss) and 3.1x (a
+# parameter's gradient), the cross-policy anchor 18x / 28x; the factors leave 2x of margin.
+BF16_FACTOR = 8
+CROSS_POLICY_FACTOR = 64
 BF16_MIN_FLOOR = 1e-5  # a floor measured as 0 (identical runs) still admits fp32-level noise
 COMMON = [*parity_args(steps=STEPS, lr=1e-3), "--metrics.tensorboard", "false"]
 FLOOR = "one rank, accumulation 2"
