@@ -95,7 +95,7 @@ def parity_table(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     """ruff over every package, the cross-package tests and this file."""
     session.install("ruff")
-    session.run("ruff", "check", "packages", "tests", "benchmarks", "tools", "noxfile.py")
+    session.run("ruff", "check", "packages", "tests", "gpu", "benchmarks", "tools", "noxfile.py")
 
 
 @nox.session(python=False, tags=["test"])

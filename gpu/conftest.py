@@ -5,8 +5,12 @@
 machines without a GPU; it proves nothing about the CUDA kernels.
 """
 
+import os
+import tempfile
+
 import pytest
 import torch
+import torch.distributed as dist
 
 
 def pytest_addoption(parser):
@@ -49,3 +53,26 @@ def _seeded():
     yield
     if torch.cuda.is_available():
         torch.cuda.set_sync_debug_mode(0)  # a failed test must not leave "error" on for the next
+
+
+@pytest.fixture(scope="session")
+def one_rank_mesh(device):
+    """A 1-rank process group and its 1-D device mesh on the suite's backend (NCCL on CUDA, gloo on
+    the dry run): the collectives' CUDA code paths without a second GPU."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if dist.is_initialized():
+        if dist.get_world_size() != 1 or dist.get_backend() != backend:
+            pytest.skip(f"a {dist.get_backend()} group of {dist.get_world_size()} is already initialised")
+        yield init_device_mesh(device.type, (1,))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        store = dist.FileStore(os.path.join(tmp, "store"), 1)
+        kwargs = {"device_id": torch.device("cuda", torch.cuda.current_device())} if backend == "nccl" else {}
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, **kwargs)
+        try:
+            yield init_device_mesh(device.type, (1,))
+        finally:
+            dist.destroy_process_group()

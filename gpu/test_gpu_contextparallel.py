@@ -257,29 +257,9 @@ def test_simulated_step_does_not_sync(device, method):
     torch.cuda.synchronize()
 
 
-@pytest.fixture
-def one_rank_group(device):
-    """A 1-rank process group on the suite's backend (NCCL on CUDA, gloo on the dry run)."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if dist.is_initialized():
-        if dist.get_world_size() != 1 or dist.get_backend() != backend:
-            pytest.skip(f"a {dist.get_backend()} group of {dist.get_world_size()} is already initialised")
-        yield dist.group.WORLD
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        store = dist.FileStore(os.path.join(tmp, "store"), 1)
-        kwargs = {"device_id": torch.device("cuda", torch.cuda.current_device())} if backend == "nccl" else {}
-        dist.init_process_group(backend, store=store, rank=0, world_size=1, **kwargs)
-        try:
-            yield dist.group.WORLD
-        finally:
-            dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("method", SIMULATE)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_one_rank_group_runs_the_autograd_functions(device, one_rank_group, method, dtype):
+def test_one_rank_group_runs_the_autograd_functions(device, one_rank_mesh, method, dtype):
     """CUDA branch: contextparallel/comm.py (NCCL all_gather_single, reduce_scatter_single,
     all_to_all_single; the ring sends nothing at cp 1) -- the real autograd functions on a 1-rank
     group (cp 1: two chunks) match math attention, forward and backward."""
@@ -288,7 +268,7 @@ def test_one_rank_group_runs_the_autograd_functions(device, one_rank_group, meth
     layout = SequenceLayout(1, True)
     q, k, v, dout = _inputs(device, dtype, "mla", 1, 64 if device.type == "cuda" else 8)
     local = [t.detach().requires_grad_() for t in (q, k, v)]
-    out = _FUNCTIONS[method].apply(*local, one_rank_group, layout, 0.1)
+    out = _FUNCTIONS[method].apply(*local, one_rank_mesh.get_group(), layout, 0.1)
     out.backward(dout)
     ref = _reference(q, k, v, dout, 0.1)
     for name, g, r in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in local)), ref):

@@ -15,11 +15,11 @@ mantissa, ~4e-3 per rounding; a few roundings along the SwiGLU chain).
 
 import os
 import tempfile
-import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
+from gpu_helpers import CudaSyncs
 from torch import nn
 
 from plait.models.moe import GroupedExperts, MoE, TokenChoiceTopKRouter
@@ -35,28 +35,6 @@ def _close(got: torch.Tensor, ref: torch.Tensor, tol: float, what: str) -> None:
     scale = float(ref.abs().max()) or 1.0
     err = float((got - ref).abs().max())
     assert err <= tol * scale, f"{what}: max error {err:.3e} > {tol} x {scale:.3e}"
-
-
-class _Syncs:
-    """`set_sync_debug_mode` on CUDA: "error" raises at a synchronizing call, "warn" counts them."""
-
-    def __init__(self, device: torch.device, mode: str):
-        self.device, self.mode, self.count = device, mode, 0
-
-    def __enter__(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            self._catch = warnings.catch_warnings(record=True)
-            self._caught = self._catch.__enter__()
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode(self.mode)
-        return self
-
-    def __exit__(self, *exc):
-        if self.device.type == "cuda":
-            torch.cuda.set_sync_debug_mode(0)
-            self.count = sum("synchroniz" in str(w.message) for w in self._caught)
-            self._catch.__exit__(*exc)
 
 
 def _experts_case(device, dtype, counts=(5, 0, 40, 1, 0, 17, 3, 9)):
@@ -97,7 +75,7 @@ def test_fp32_experts_run_without_host_sync(device):
     torch's _grouped_mm falls back to a host loop reading offs) run the Triton grouped GEMM, forward
     and backward, under set_sync_debug_mode("error"), and match fp32 per-expert matmuls."""
     experts, xd, counts, dy, ref = _experts_case(device, torch.float32)
-    with _Syncs(device, "error"):
+    with CudaSyncs(device, "error"):
         y = experts(xd, counts)
         y.backward(dy)
     got = (y, xd.grad, experts.w1.grad, experts.w2.grad, experts.w3.grad)
@@ -143,35 +121,13 @@ def test_triton_permute_kernel_compiled_matches_torch(device):
                 assert a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu()), (ep, local, counts.tolist())
 
 
-@pytest.fixture
-def one_rank_group(device):
-    """A 1-rank process group and device mesh on the suite's backend (NCCL on CUDA, gloo dry run)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if dist.is_initialized():
-        if dist.get_world_size() != 1 or dist.get_backend() != backend:
-            pytest.skip(f"a {dist.get_backend()} group of {dist.get_world_size()} is already initialised")
-        yield init_device_mesh(device.type, (1,))
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        store = dist.FileStore(os.path.join(tmp, "store"), 1)
-        kwargs = {"device_id": torch.device("cuda", torch.cuda.current_device())} if backend == "nccl" else {}
-        dist.init_process_group(backend, store=store, rank=0, world_size=1, **kwargs)
-        try:
-            yield init_device_mesh(device.type, (1,))
-        finally:
-            dist.destroy_process_group()
-
-
-def test_uneven_all_to_all_single_one_rank(device, one_rank_group):
+def test_uneven_all_to_all_single_one_rank(device, one_rank_mesh):
     """CUDA branch: expertparallel/dispatch.py (NCCL all_to_all_single with split sizes, autograd)
     -- on a 1-rank group the uneven exchange is the identity, forward and backward."""
     from torch.distributed._functional_collectives import all_to_all_single_autograd
 
     x = torch.randn(13, DIM, device=device, requires_grad=True)
-    y = all_to_all_single_autograd(x, [13], [13], one_rank_group.get_group())
+    y = all_to_all_single_autograd(x, [13], [13], one_rank_mesh.get_group())
     y.backward(torch.full_like(y, 2.0))
     assert torch.equal(y.detach(), x.detach()) and torch.equal(x.grad, torch.full_like(x, 2.0))
 
@@ -185,7 +141,7 @@ def _moe_block(device, dtype):
 
 
 @pytest.mark.parametrize("capacity_factor", [0.0, float(E)], ids=["dropless", "capacity"])
-def test_expert_parallel_moe_on_one_device(device, one_rank_group, capacity_factor):
+def test_expert_parallel_moe_on_one_device(device, one_rank_mesh, capacity_factor):
     """CUDA branch: expertparallel dispatch / combine (NCCL, permute kernel, grouped_mm in bf16)
     -- a MoE block with expert parallel on a 1-rank group equals the same block without it,
     forward and backward; under set_sync_debug_mode the dropless forward makes exactly its counted
@@ -195,12 +151,12 @@ def test_expert_parallel_moe_on_one_device(device, one_rank_group, capacity_fact
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     ref, ep = _moe_block(device, dtype), _moe_block(device, dtype)
     config = ExpertParallelConfig(capacity_factor=capacity_factor, rows_equal_by_construction=True)
-    dispatcher = apply_expert_parallel(ep, one_rank_group, ["moe.experts"], config)["moe.experts"]
+    dispatcher = apply_expert_parallel(ep, one_rank_mesh, ["moe.experts"], config)["moe.experts"]
     x = torch.randn(2, 16, DIM, device=device, dtype=dtype)
     xr, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
     yr = ref.moe(xr)
     yr.float().square().sum().backward()
-    with _Syncs(device, "warn") as syncs:
+    with CudaSyncs(device, "warn") as syncs:
         ye = ep.moe(xe)
         ye.float().square().sum().backward()
     expected = 1 if capacity_factor == 0 else 0
@@ -215,7 +171,7 @@ def test_expert_parallel_moe_on_one_device(device, one_rank_group, capacity_fact
 
 
 @pytest.mark.cuda_only
-def test_expert_gradient_reduction_with_a_divide_factor(device, one_rank_group):
+def test_expert_gradient_reduction_with_a_divide_factor(device, one_rank_mesh):
     """CUDA branch: dataparallel/fsdp.py:_set_divide_factor -- the experts' FSDP gradient
     reduction with a custom divide factor is NCCL PREMUL_SUM on CUDA: on a 1-rank mesh the gradient
     is the local one divided by the factor. (cuda_only: on a 1-rank gloo mesh the SUM-then-divide
@@ -231,7 +187,7 @@ def test_expert_gradient_reduction_with_a_divide_factor(device, one_rank_group):
     ref.load_state_dict(experts.state_dict())
     counts = torch.tensor([4, 0, 8, 4, 0, 8, 4, 4], device=device)
     x = torch.randn(int(counts.sum()), DIM, device=device)
-    shard_module(experts, one_rank_group, DataParallelConfig(), True, experts=True, gradient_divide_factor=4.0)
+    shard_module(experts, one_rank_mesh, DataParallelConfig(), True, experts=True, gradient_divide_factor=4.0)
     experts(x, counts).square().sum().backward()
     ref(x, counts).square().sum().backward()
     for name in ("w1", "w2", "w3"):

@@ -12,11 +12,11 @@ In the CPU dry run the same steps run under the sentinel alone (gloo for the 2-r
 import multiprocessing
 import os
 import socket
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from gpu_helpers import CudaSyncs
 
 from plait.mesh.sentinel import StepSentinel
 from plait.trainer.testing import parity_args, train_in_process
@@ -28,31 +28,28 @@ MOE_LAYERS = 2
 
 
 class SyncWatch(StepSentinel):
-    """The sentinel plus, on CUDA, `set_sync_debug_mode(mode)` around each step: "error" raises at
-    the first synchronizing call (naming it), "warn" counts them into `cuda_syncs` per step."""
+    """The sentinel plus, on CUDA, CUDA's own detector (gpu_helpers.CudaSyncs) around each step:
+    "error" raises at the first synchronizing call, "warn" counts them into `cuda_syncs`."""
 
     def __init__(self, device: torch.device, mode: str):
         super().__init__(device)
-        self.mode = mode
-        self.cuda_syncs: list[int] = []
-        self.cuda_messages: list[str] = []
+        self.cuda = CudaSyncs(device, mode)
+
+    @property
+    def cuda_syncs(self) -> list[int]:
+        return self.cuda.syncs
+
+    @property
+    def cuda_messages(self) -> list[str]:
+        return self.cuda.messages
 
     def __enter__(self):
         super().__enter__()
-        if self.device.type == "cuda":
-            self._catch = warnings.catch_warnings(record=True)
-            self._caught = self._catch.__enter__()
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode(self.mode)
+        self.cuda.__enter__()
         return self
 
     def __exit__(self, *exc):
-        if self.device.type == "cuda":
-            torch.cuda.set_sync_debug_mode(0)
-            messages = [str(w.message) for w in self._caught if "synchroniz" in str(w.message)]
-            self.cuda_syncs.append(len(messages))
-            self.cuda_messages += messages
-            self._catch.__exit__(*exc)
+        self.cuda.__exit__(*exc)
         super().__exit__(*exc)
 
 
@@ -153,36 +150,10 @@ def test_compiled_blocks_match_eager(device, tmp_path):
     with inductor / Triton) -- the same losses as eager within fp32 kernel-fusion tolerance, and no
     host sync in the compiled steps after the first (which compiles)."""
     eager = train_in_process(tmp_path / "eager", *parity_args(steps=3), *LLAMA)
-    watch = _CudaSyncs()
+    watch = CudaSyncs(device)
     compiled = train_in_process(
         tmp_path / "compiled", *parity_args(steps=3), *LLAMA, "--training.compile", "true", sentinel=watch
     )
     for a, b in zip(eager, compiled, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]), (a["loss"], b["loss"])
     assert watch.syncs[1:] == [0, 0], watch.messages[:5]
-
-
-class _CudaSyncs:
-    """CUDA's sync detector ("warn", counted per step) without the sentinel: its function wrappers
-    would be traced by dynamo along with the step's Python."""
-
-    def __init__(self):
-        self.syncs: list[int] = []
-        self.messages: list[str] = []
-
-    def __enter__(self):
-        self._catch = warnings.catch_warnings(record=True)
-        self._caught = self._catch.__enter__()
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        return self
-
-    def __exit__(self, *exc):
-        torch.cuda.set_sync_debug_mode(0)
-        messages = [str(w.message) for w in self._caught if "synchroniz" in str(w.message)]
-        self.syncs.append(len(messages))
-        self.messages += messages
-        self._catch.__exit__(*exc)
-
-    def step_counts(self) -> list[tuple[int, int]]:
-        return [(n, 0) for n in self.syncs]
