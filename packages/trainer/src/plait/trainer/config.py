@@ -115,6 +115,10 @@ class TrainingConfig:
     """Apply the activation_checkpoint policy to every k-th block only (blocks 0, k, 2k, ...)."""
     max_norm: float = 1.0
     """Clip the global gradient norm to this (0 disables clipping; the norm is still logged)."""
+    memory_check: bool = True
+    """Before step 1, refuse a run whose estimated per-rank peak memory (model state, FSDP's
+    unsharded units, activations, logits; plait/trainer/memory_estimate.py) exceeds the GPU's memory
+    (on CPU: the available host memory / ranks on the node). The estimate errs low; false skips it."""
 
 
 @dataclass

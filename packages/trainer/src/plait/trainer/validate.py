@@ -402,7 +402,22 @@ def validate(config: Config, world_size: int | None = None) -> RunPlan:
 
     if config.training.compile and not _has_compiler():
         raise ConfigError("training.compile = true needs a C++ compiler on CPU (or triton on GPU); none was found.")
+    _check_memory(config, dims, model, info, world_size)
     return RunPlan(dims, model_args, model, info, tokenizer, full_init, parallel_modules)
+
+
+def _check_memory(config: Config, dims: ParallelDims, model: nn.Module, info: dict, world_size: int) -> None:
+    """The estimated per-rank peak fits the device (a one-line refusal, not an allocator traceback)."""
+    if not config.training.memory_check or config.checkpoint.create_seed_checkpoint:
+        return  # a seed checkpoint neither trains nor builds optimizer state
+    if torch.cuda.is_available() and "LOCAL_RANK" not in os.environ and world_size > 1:
+        return  # the launcher: each rank checks its own GPU; the launcher must not touch CUDA
+    from .memory_estimate import memory_problem
+
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or world_size)
+    problem = memory_problem(config, dims, model, info, local_ranks)
+    if problem:
+        raise ConfigError(problem)
 
 
 def _validate_tp(tp_module, model: nn.Module, info: dict, dims: ParallelDims, config: Config) -> None:
