@@ -73,3 +73,62 @@ def test_threaded_ranks_with_exchange_close_cleanly(corpus):
         t.join(timeout=60)
     assert not any(t.is_alive() for t in threads)
     assert all(torch.equal(torch.cat([out[0][k], out[1][k]]), expected[k]) for k in range(5))
+
+
+class _Stalling:
+    """A loader whose batches stop coming after `good` (a stalled source or exchange)."""
+
+    def __init__(self, loader, good: int):
+        self.loader, self.good = loader, good
+        self.stalled, self.release = threading.Event(), threading.Event()
+
+    def __next__(self):
+        if self.good == 0:
+            self.stalled.set()
+            self.release.wait(60)
+        self.good -= 1
+        return next(self.loader)
+
+    def state_dict(self):
+        return self.loader.state_dict()
+
+
+def test_a_stop_request_ends_the_wait_for_a_stalled_batch(corpus):
+    from plait.trainer.data.prefetch import POLL_S, DataWaitStopped
+
+    stop = threading.Event()
+    src = _Stalling(make(corpus), good=1)
+    ld = PrefetchingLoader(src, should_stop=stop.is_set)
+    next(ld)
+    threading.Timer(0.3, stop.set).start()
+    t0 = time.perf_counter()
+    with pytest.raises(DataWaitStopped):
+        next(ld)
+    assert src.stalled.is_set() and time.perf_counter() - t0 < 0.3 + 2 * POLL_S + 1
+    src.release.set()
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 2.0])  # during the step before the stall / in the wait for it
+def test_sigterm_while_the_batch_stalls_stops_the_run_unfinished(tmp_path, capsys, delay_s):
+    import os
+    import signal
+
+    from plait.trainer.config import build_config
+    from plait.trainer.train import Trainer
+
+    trainer = Trainer(build_config({
+        "job": {"dump_folder": str(tmp_path)},
+        "training": {"steps": 6, "seq_len": 32, "local_batch_size": 2},
+        "metrics": {"log_freq": 1, "cpu_peak_tflops": 0.1},
+    }))
+    src = trainer.loader.loader = _Stalling(trainer.loader.loader, good=2)
+    # The prefetch thread asks for batch 3 while step 2 runs; the main thread waits for it at step 3.
+    threading.Thread(target=lambda: src.stalled.wait(60) and not time.sleep(delay_s)
+                     and os.kill(os.getpid(), signal.SIGTERM), daemon=True).start()
+    t0 = time.perf_counter()
+    assert trainer.train() is False  # unfinished: plait-train exits 75 (preempted)
+    elapsed = time.perf_counter() - t0
+    src.release.set()
+    assert trainer.step == 2 and elapsed < 30  # not the stalled source's 60 s
+    out = capsys.readouterr().out
+    assert ("SIGTERM while waiting for data, stopped after step 2" if delay_s else "SIGTERM, stopped after step 2") in out

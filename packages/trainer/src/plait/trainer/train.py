@@ -23,6 +23,7 @@ from plait.mesh import build_meshes, clip_grad_norm_, destroy_distributed, grad_
 from . import exit_codes
 from .checkpoint import CheckpointManager
 from .config import Config, ConfigError, to_toml
+from .data.prefetch import DataWaitStopped, PrefetchingLoader
 from .data.sources import DataError
 from .lr_scheduler import build_lr_scheduler
 from .metrics import MetricsLogger, peak_tflops
@@ -200,8 +201,6 @@ class Trainer:
             _data_exchange(),
         )
         if config.data.prefetch:
-            from plait.trainer.data.prefetch import PrefetchingLoader
-
             self.loader = PrefetchingLoader(self.loader, config.data.prefetch)
         self._validation_exchange = None  # made at the first validation (every rank validates then)
         self.moe = MoEStep.for_model(self.pm.inner, self.plan.model_args, self.meshes, self.pm.dispatchers)
@@ -383,11 +382,13 @@ class Trainer:
             return True
         metrics = self._metrics()
         stop = _StopSignal()
+        if isinstance(self.loader, PrefetchingLoader):
+            self.loader.should_stop = lambda: stop.requested
         data_iter = iter(self.loader)
         start, start_step = time.perf_counter(), self.step
         first_loss = last_loss = None
         finished = self.step >= c.training.steps
-        stop_now = False
+        stop_now = data_stalled = False
         try:
             with _profiler(c, self.rank, self.device) as prof:
                 while self.step < c.training.steps:
@@ -401,6 +402,14 @@ class Trainer:
                         ) from None
                     except DataError as e:  # a bad row: every rank raises the same (see data/stream.py)
                         raise ConfigError(f"data.dataset = {c.data.dataset!r} at step {self.step}: {e}") from None
+                    except DataWaitStopped:
+                        # SIGTERM while this rank's batch never came (a stalled source or exchange):
+                        # stop unfinished without a save (its collectives could wait on the stall too).
+                        self.step -= 1
+                        stop_now = data_stalled = True
+                        print(f"plait-train: rank {self.rank}: SIGTERM while waiting for data, stopped after "
+                              f"step {self.step} (not saved now).", flush=True)
+                        break
                     data_s = time.perf_counter() - t0
                     lr = self.scheduler.get_last_lr()[0]
                     with self.step_sentinel or contextlib.nullcontext():
@@ -435,7 +444,8 @@ class Trainer:
                         metrics.exclude(time.perf_counter() - t_val)  # not training throughput
                 finished = self.step >= c.training.steps and not stop_now
             self.checkpointer.close()
-            if hasattr(self.loader, "close"):  # the prefetch thread ends after its last exchange
+            # The prefetch thread ends after its last exchange (a stalled one never does: left, a daemon).
+            if hasattr(self.loader, "close") and not data_stalled:
                 self.loader.close()
         except TrainingDiverged as e:
             # Every rank is here at the same step (the verdict came from all-reduced values): a save
@@ -452,7 +462,7 @@ class Trainer:
         dropped = self.moe.dropped_total() if self.moe is not None else None
         if self.rank == 0 and dropped is not None:
             print(f"plait-train: expert capacity dropped {dropped} (token, expert) pairs on rank 0.", flush=True)
-        if self.rank == 0 and first_loss is None:
+        if self.rank == 0 and first_loss is None and not data_stalled:
             print(f"plait-train: already at step {self.step} of {c.training.steps}; nothing to train.", flush=True)
         elif self.rank == 0:
             print(
