@@ -215,7 +215,7 @@ def memory_problem(config, dims: ParallelDims, model: nn.Module, info: dict, loc
     if est.total <= memory:
         return None
     parts = sorted(est.parts().items(), key=lambda kv: -kv[1])
-    biggest = ", ".join(f"{k} {v / GIB:.1f}" for k, v in parts if v > 0)
+    biggest = ", ".join(f"{k} {v / GIB:.1f}" for k, v in parts[:3] if v >= 0.05 * GIB)
     fix = _fix(config, dims, est)
     return (f"the estimated peak memory per rank is {est.total / GIB:.1f} GiB ({biggest} GiB) but this rank has "
             f"{where}: {fix}, or set training.memory_check = false if you know it fits.")
