@@ -108,8 +108,10 @@ def test_a_stop_request_ends_the_wait_for_a_stalled_batch(corpus):
     src.release.set()
 
 
-@pytest.mark.parametrize("delay_s", [0.0, 2.0])  # during the step before the stall / in the wait for it
-def test_sigterm_while_the_batch_stalls_stops_the_run_unfinished(tmp_path, capsys, delay_s):
+# at_step 2: SIGTERM while step 2 runs (usually the ordinary stop, whose close() must not wait for
+# the stalled thread); at_step 3: while step 3 waits for its batch.
+@pytest.mark.parametrize("at_step", [2, 3])
+def test_sigterm_while_the_batch_stalls_stops_the_run_unfinished(tmp_path, capsys, at_step):
     import os
     import signal
 
@@ -123,12 +125,17 @@ def test_sigterm_while_the_batch_stalls_stops_the_run_unfinished(tmp_path, capsy
     }))
     src = trainer.loader.loader = _Stalling(trainer.loader.loader, good=2)
     # The prefetch thread asks for batch 3 while step 2 runs; the main thread waits for it at step 3.
-    threading.Thread(target=lambda: src.stalled.wait(60) and not time.sleep(delay_s)
-                     and os.kill(os.getpid(), signal.SIGTERM), daemon=True).start()
+    def terminate():
+        src.stalled.wait(60)
+        while trainer.step < at_step:  # the loop counts the step before it waits for the batch
+            time.sleep(0.001)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=terminate, daemon=True).start()
     t0 = time.perf_counter()
     assert trainer.train() is False  # unfinished: plait-train exits 75 (preempted)
     elapsed = time.perf_counter() - t0
     src.release.set()
     assert trainer.step == 2 and elapsed < 60  # not the stalled source's 120 s
     out = capsys.readouterr().out
-    assert ("SIGTERM while waiting for data, stopped after step 2" if delay_s else "SIGTERM, stopped after step 2") in out
+    assert "SIGTERM while waiting for data, stopped after step 2" in out if at_step == 3 else "stopped after step 2" in out
