@@ -99,7 +99,7 @@ def test_host_memory_is_shared_by_the_local_ranks():
 
 
 # The rank counts each shipped config is written for (its comment, or the fewest 8-GPU nodes its
-# degrees allow). The estimate errs low, so each must fit an 80 GiB GPU at these counts.
+# degrees allow). The estimate errs low, so each must fit 90 % of an 80 GiB GPU at these counts.
 SHIPPED_WORLDS = {
     "llama3_debugmodel": 1, "deepseek_v3_debugmodel": 1, "llama3_1B": 8, "llama3_3B": 8, "llama3_8B": 8,
     "llama3_8B_64k_cp": 8, "llama3_70B": 64, "llama3_405B": 512, "deepseek_v3_16B": 8,
@@ -112,7 +112,7 @@ def test_shipped_configs_fit_an_80_gib_gpu(name):
     config = build_config(load_toml(str(_shipped_config(name + ".toml"))))
     world = SHIPPED_WORLDS[name]
     est = _estimate(config=config, world_size=world)
-    assert 0 < est.total <= 80 * GIB, f"{name} at {world} ranks: {est.total / GIB:.1f} GiB {est.parts()}"
+    assert 0 < est.total <= 0.9 * 80 * GIB, f"{name} at {world} ranks: {est.total / GIB:.1f} GiB {est.parts()}"
     model, info = _meta_model(config)
     dims = ParallelDims(**{f.name: getattr(config.parallelism, f.name) for f in dataclasses.fields(ParallelDims)
                            if f.name != "world_size"}, world_size=world)
