@@ -79,7 +79,7 @@ def test_validate_refuses_a_batch_that_cannot_fit_with_one_line(tmp_path):
     config = build_config(None, overrides)
     with mock.patch.object(memory_estimate, "_available_host_memory", return_value=2 * GIB), \
             mock.patch("torch.cuda.is_available", return_value=False), pytest.raises(ConfigError) as err:
-        validate(config, world_size=1)
+        validate(config, world_size=1, check_memory=True)
     msg = str(err.value)
     assert "\n" not in msg
     assert "estimated peak memory per rank" in msg and "2.0 GiB of available host memory" in msg
@@ -87,8 +87,11 @@ def test_validate_refuses_a_batch_that_cannot_fit_with_one_line(tmp_path):
     # Turned off, the same run passes validation; the default batch fits the same 2 GiB.
     with mock.patch.object(memory_estimate, "_available_host_memory", return_value=2 * GIB), \
             mock.patch("torch.cuda.is_available", return_value=False):
-        assert validate(build_config(None, overrides + [("training.memory_check", "false")]), world_size=1)
-        assert validate(build_config(None, [("job.dump_folder", str(tmp_path))]), world_size=1)
+        assert validate(build_config(None, overrides + [("training.memory_check", "false")]), world_size=1,
+                        check_memory=True)
+        assert validate(build_config(None, [("job.dump_folder", str(tmp_path))]), world_size=1, check_memory=True)
+        # A layout checked on another machine's behalf (no run starts here) is not held to this one's memory.
+        assert validate(config, world_size=1)
 
 
 def test_host_memory_is_shared_by_the_local_ranks():

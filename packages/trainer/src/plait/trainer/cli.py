@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.nproc_per_node > 1 and not _under_launcher():
             from .validate import validate
 
-            validate(config, world_size=args.nproc_per_node)  # fail here, before any rank starts
+            validate(config, world_size=args.nproc_per_node, check_memory=True)  # fail here, before any rank starts
             return _launch_holding_the_lock(config, args.nproc_per_node, args.forward)
         from .train import run
 

@@ -173,7 +173,7 @@ class Trainer:
 
     def __init__(self, config: Config):
         self.config = config
-        self.plan = validate(config)  # before any collective
+        self.plan = validate(config, check_memory=True)  # before any collective
         _set_determinism(config)
         self.dist = init_distributed()
         self.device = self.dist.device

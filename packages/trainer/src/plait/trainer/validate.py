@@ -333,8 +333,11 @@ def _parallel_dims(config: Config, world_size: int) -> ParallelDims:
         raise ConfigError(str(e)) from None
 
 
-def validate(config: Config, world_size: int | None = None) -> RunPlan:
-    """Check the whole configuration locally (no collective); raise ConfigError on the first problem."""
+def validate(config: Config, world_size: int | None = None, check_memory: bool = False) -> RunPlan:
+    """Check the whole configuration locally (no collective); raise ConfigError on the first problem.
+    `check_memory`: also refuse a run whose estimated per-rank peak exceeds this machine's device
+    memory (training.memory_check) — for the run about to start here (the trainer's ranks, the
+    launcher), not for a layout checked on another machine's behalf."""
     world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
     _check_positive(config)
     dims = _parallel_dims(config, world_size)
@@ -402,7 +405,8 @@ def validate(config: Config, world_size: int | None = None) -> RunPlan:
 
     if config.training.compile and not _has_compiler():
         raise ConfigError("training.compile = true needs a C++ compiler on CPU (or triton on GPU); none was found.")
-    _check_memory(config, dims, model, info, world_size)
+    if check_memory:
+        _check_memory(config, dims, model, info, world_size)
     return RunPlan(dims, model_args, model, info, tokenizer, full_init, parallel_modules)
 
 
