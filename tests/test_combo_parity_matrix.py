@@ -455,6 +455,9 @@ def test_layout_matches_its_reference(layout, model, dtype, runs, report):
     expected_syncs = layout.expected_host_syncs()
     if syncs != [expected_syncs] * len(rows):
         failures.append(f"host syncs per step {syncs}, expected {expected_syncs}:\n{result['sentinel_report']}")
+    own = [r["moe_host_syncs"] for r in rows if "moe_host_syncs" in r]
+    if own and own != syncs:
+        failures.append(f"the dispatchers count {own} host syncs per step, the sentinel {syncs}")
     if violations:
         failures.append(f"{violations} kernel-precondition violations:\n{result['sentinel_report']}")
     for run, name in ((result, "this entry"), (reference, "its reference")):

@@ -70,7 +70,11 @@ def _cases():
 def test_each_host_sync_is_recorded_once_at_its_line(name):
     kind, fn = _cases()[name]
     with StepSentinel(device="cpu") as s:
-        fn()
+        try:
+            fn()
+        except RuntimeError as e:  # .numpy() without numpy installed: recorded before torch refuses
+            if "Numpy is not available" not in str(e):
+                raise
     assert [(r.kind, _where(r)) for r in s.host_syncs] == [(kind, ("test_mesh_sentinel.py", _line(name)))]
     assert s.violations == [] and s.step_counts() == [(1, 0)]
 
