@@ -76,8 +76,11 @@ def wait_for_step(proc: subprocess.Popen, step: int, timeout: float = 180) -> No
 
 
 def steps(dump: Path) -> list[int]:
+    """Published checkpoints (a rejected one kept aside, `step-N.rejected-<run>`, is not one)."""
     folder = dump / "checkpoints"
-    return sorted(int(p.name[5:]) for p in folder.glob("step-*") if (p / ".complete").is_file())
+    return sorted(
+        int(p.name[5:]) for p in folder.glob("step-*") if p.name[5:].isdigit() and (p / ".complete").is_file()
+    )
 
 
 def unpublished_but_named(dump: Path) -> list[Path]:
