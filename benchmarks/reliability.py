@@ -618,14 +618,7 @@ def main() -> int:
     # issue 27: checkpoints, locks, stops and exit codes
     m.checkpoints27()
     m.rank_killed()
-
-    print(f"\n{len(m.rows)} faults in {time.monotonic() - t0:.0f} s\n")
-    print("| fault | exit code | checkpoints after | resumed loss equal | good state kept |")
-    print("| --- | --- | --- | --- | --- |")
-    for r in m.rows:
-        print(f"| {r.fault} | {r.exit_codes} | {r.checkpoints} | {r.resumed_equal} | {'yes' if r.good_state_kept else 'NO'} |")
-    shutil.rmtree(root, ignore_errors=True)
-    return 0 if all(r.good_state_kept for r in m.rows) else 1
+    return table(m, t0, root)
 
 
 if __name__ == "__main__":
