@@ -70,7 +70,9 @@ def check_output(output: Path) -> None:
 
 
 def _publish(tmp: Path, output: Path) -> None:
-    """Replace `output` by the finished `tmp` folder: the old one moves aside, then is removed."""
+    """Replace `output` by the finished `tmp` folder: the old one moves aside, then is removed.
+    Checked again first: the folder may have become someone else's while tokenising."""
+    check_output(output)
     old = output.with_name(f".{output.name}.old-{os.getpid()}")
     if output.exists():
         os.replace(output, old)
