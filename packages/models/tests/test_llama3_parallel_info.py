@@ -27,7 +27,7 @@ def meta_model(name="debugmodel"):
 def test_is_plain_data():
     info = meta_model().parallel_info()
     assert json.loads(json.dumps(info)) == info
-    assert set(info) == {"blocks", "tp_plan", "seq_dim_buffers", "seq_dim_inputs", "experts", "attention_modules", "attention_heads", "edge_units", "tp_divisible"}
+    assert set(info) == {"blocks", "tp_plan", "seq_dim_buffers", "seq_dim_inputs", "experts", "attention_modules", "attention_heads", "edge_units", "tp_divisible", "document_input"}
     assert info["tp_divisible"] == {"n_heads": 16, "n_kv_heads": 16, "ffn_hidden": 768, "vocab_size": 2048}
 
 

@@ -4,6 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plait.models.documents import check_document_positions, row_segments
+
 # On CPU, torch's flash-attention kernel runs faster in fp32 than in bf16 at small head dims: at
 # head_dim 16 (the Llama 3 debug model: batch 8, seq 512, 16 heads) forward + backward take about
 # 60 ms in fp32 against 73 ms in bf16, while from head_dim 32 up bf16 is as fast or faster. Up to
@@ -20,37 +22,74 @@ class ScaledDotProductAttention(nn.Module):
     405B). A model calls attention only through this module, so context parallel can swap in
     all-gather, ring or all-to-all attention without touching the model; `scale` (None: 1/sqrt(Dqk))
     is part of that contract.
+
+    `document_positions_BS` (int32 [B, S], plait.models.documents) switches to the document mask:
+    each segment of a packed row attends causally within itself only, one kernel call per segment.
     """
 
     def __init__(self, scale: float | None = None):
         super().__init__()
         self.scale = scale
 
-    def forward(self, q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor) -> torch.Tensor:
-        gqa = q_BHSD.shape[1] != k_BGSD.shape[1]
-        if q_BHSD.device.type == "cpu" and q_BHSD.shape[-1] <= CPU_FP32_MAX_HEAD_DIM:
-            autocast = torch.is_autocast_enabled("cpu")
-            if autocast or q_BHSD.dtype != torch.float32:
-                out_dtype = torch.get_autocast_dtype("cpu") if autocast else q_BHSD.dtype
-                with torch.autocast("cpu", enabled=False):
-                    out_BHSD = F.scaled_dot_product_attention(
-                        q_BHSD.float(), k_BGSD.float(), v_BGSD.float(), is_causal=True, scale=self.scale,
-                        enable_gqa=gqa,
-                    )
-                return out_BHSD.to(out_dtype)
-        dqk, dv = q_BHSD.shape[-1], v_BGSD.shape[-1]
-        if q_BHSD.device.type == "cpu" and dv < dqk and _low_precision(q_BHSD):
-            # MLA (v narrower than q/k): torch's CPU flash kernel needs equal head dims, otherwise SDPA
-            # takes its math path and materialises the S x S scores. In bf16 the flash kernel on
-            # zero-padded values is faster (1.4x forward + backward at DeepSeek-V3 debug's 192/128);
-            # the padding's output columns are zeros and are sliced off.
-            out_BHSD = F.scaled_dot_product_attention(
-                q_BHSD, k_BGSD, F.pad(v_BGSD, (0, dqk - dv)), is_causal=True, scale=self.scale, enable_gqa=gqa
-            )
-            return out_BHSD[..., :dv]
-        return F.scaled_dot_product_attention(
-            q_BHSD, k_BGSD, v_BGSD, is_causal=True, scale=self.scale, enable_gqa=gqa
+    def forward(
+        self,
+        q_BHSD: torch.Tensor,
+        k_BGSD: torch.Tensor,
+        v_BGSD: torch.Tensor,
+        document_positions_BS: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if document_positions_BS is None:
+            return causal_attention(q_BHSD, k_BGSD, v_BGSD, self.scale)
+        return document_attention(q_BHSD, k_BGSD, v_BGSD, document_positions_BS, self.scale)
+
+
+# The per-segment loop reads host data and has data-dependent slices: a compiled block calls it
+# eagerly (like context parallel's attention), and the kernels inside are the same as causal's.
+@torch.compiler.disable
+def document_attention(q_BHSD, k_BGSD, v_BGSD, document_positions_BS, scale: float | None) -> torch.Tensor:
+    """Block-diagonal causal attention over the segments of each row (autograd through slices)."""
+    B, _, S, _ = q_BHSD.shape
+    check_document_positions(document_positions_BS, B, S)
+    segments = row_segments(document_positions_BS)
+    if segments.count(segments[0]) == B:  # every row cut the same way: batch the calls
+        row_groups = [(slice(0, B), segments[0])]
+    else:
+        row_groups = [(slice(b, b + 1), segments[b]) for b in range(B)]
+    rows_out = []
+    for rows, bounds in row_groups:
+        if len(bounds) == 2:  # one segment: plain causal attention over the row
+            rows_out.append(causal_attention(q_BHSD[rows], k_BGSD[rows], v_BGSD[rows], scale))
+            continue
+        pieces = [
+            causal_attention(q_BHSD[rows, :, s:e], k_BGSD[rows, :, s:e], v_BGSD[rows, :, s:e], scale)
+            for s, e in zip(bounds, bounds[1:])
+        ]
+        rows_out.append(torch.cat(pieces, dim=2))
+    return rows_out[0] if len(rows_out) == 1 else torch.cat(rows_out, dim=0)
+
+
+def causal_attention(q_BHSD, k_BGSD, v_BGSD, scale: float | None) -> torch.Tensor:
+    gqa = q_BHSD.shape[1] != k_BGSD.shape[1]
+    if q_BHSD.device.type == "cpu" and q_BHSD.shape[-1] <= CPU_FP32_MAX_HEAD_DIM:
+        autocast = torch.is_autocast_enabled("cpu")
+        if autocast or q_BHSD.dtype != torch.float32:
+            out_dtype = torch.get_autocast_dtype("cpu") if autocast else q_BHSD.dtype
+            with torch.autocast("cpu", enabled=False):
+                out_BHSD = F.scaled_dot_product_attention(
+                    q_BHSD.float(), k_BGSD.float(), v_BGSD.float(), is_causal=True, scale=scale, enable_gqa=gqa,
+                )
+            return out_BHSD.to(out_dtype)
+    dqk, dv = q_BHSD.shape[-1], v_BGSD.shape[-1]
+    if q_BHSD.device.type == "cpu" and dv < dqk and _low_precision(q_BHSD):
+        # MLA (v narrower than q/k): torch's CPU flash kernel needs equal head dims, otherwise SDPA
+        # takes its math path and materialises the S x S scores. In bf16 the flash kernel on
+        # zero-padded values is faster (1.4x forward + backward at DeepSeek-V3 debug's 192/128);
+        # the padding's output columns are zeros and are sliced off.
+        out_BHSD = F.scaled_dot_product_attention(
+            q_BHSD, k_BGSD, F.pad(v_BGSD, (0, dqk - dv)), is_causal=True, scale=scale, enable_gqa=gqa
         )
+        return out_BHSD[..., :dv]
+    return F.scaled_dot_product_attention(q_BHSD, k_BGSD, v_BGSD, is_causal=True, scale=scale, enable_gqa=gqa)
 
 
 def _low_precision(x: torch.Tensor) -> bool:

@@ -13,6 +13,7 @@ from torch import nn
 from plait.models.common import INIT_STD, ScaledDotProductAttention
 from plait.models.deepseek_v3.args import ModelArgs
 from plait.models.deepseek_v3.rope import rope_tables, softmax_scale
+from plait.models.documents import attention_inputs
 from plait.models.llama3.rope import apply_rope, rope_at
 from plait.models.moe import FeedForward, MoE, TokenChoiceTopKRouter
 
@@ -50,7 +51,10 @@ class Attention(nn.Module):
         # a v head dim different from q/k's, so v is passed unpadded.
         self.sdpa = ScaledDotProductAttention(scale=softmax_scale(args))
 
-    def forward(self, x_BSD: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x_BSD: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+        document_positions_BS: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         B, S, _ = x_BSD.shape
 
         # Queries: [B, S, H, nope + rope]; H inferred so TP's local heads work.
@@ -70,7 +74,11 @@ class Attention(nn.Module):
         q_BSHQ = torch.cat([q_nope_BSHN, q_rope_BSHR], dim=-1)
         k_BSHQ = torch.cat([k_nope_BSHN, k_rope_BS1R.expand(-1, -1, H, -1)], dim=-1)
 
-        out_BHSV = self.sdpa(q_BSHQ.transpose(1, 2), k_BSHQ.transpose(1, 2), v_BSHV.transpose(1, 2))
+        # Causal calls keep the 3-argument sdpa contract; the document mask adds its positions.
+        documents = () if document_positions_BS is None else (document_positions_BS,)
+        out_BHSV = self.sdpa(
+            q_BSHQ.transpose(1, 2), k_BSHQ.transpose(1, 2), v_BSHV.transpose(1, 2), *documents
+        )
         return self.wo(out_BHSV.transpose(1, 2).reshape(B, S, -1))
 
     def init_weights(self, out_proj_std: float) -> None:
@@ -127,8 +135,11 @@ class TransformerBlock(nn.Module):
     def is_moe(self) -> bool:
         return hasattr(self, "moe")
 
-    def forward(self, x_BSD: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
-        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), rope_cos, rope_sin)
+    def forward(
+        self, x_BSD: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+        document_positions_BS: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), rope_cos, rope_sin, document_positions_BS)
         ffn = self.moe if self.is_moe else self.feed_forward
         return h_BSD + ffn(self.ffn_norm(h_BSD))
 
@@ -155,15 +166,23 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", rope_cos_LK, persistent=False)
         self.register_buffer("rope_sin", rope_sin_LK, persistent=False)
 
-    def forward(self, tokens_BS: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [B, S] int64, positions [S] or [B, S] int64 (default arange(S)) -> logits [B, S, V]."""
+    def forward(
+        self,
+        tokens_BS: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        document_positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """tokens [B, S] int64, positions [S] or [B, S] int64, document_positions [B, S] int32 of the
+        full rows (plait.models.documents; needed by attention_mask / rope_positions = "document")
+        -> logits [B, S, V]. positions default: arange(S), or the document positions."""
         # A pipeline stage without the embedding receives hidden states [B, S, D] instead of tokens.
         h_BSD = self.tok_embeddings(tokens_BS) if self.tok_embeddings is not None else tokens_BS
-        if positions is None:
-            positions = torch.arange(tokens_BS.shape[1], device=tokens_BS.device)
+        positions, mask_positions_BS = attention_inputs(
+            self.args.attention_mask, self.args.rope_positions, tokens_BS, positions, document_positions
+        )
         rope_cos, rope_sin = rope_at(self.rope_cos, self.rope_sin, positions)
         for layer in self.layers.values():
-            h_BSD = layer(h_BSD, rope_cos, rope_sin)
+            h_BSD = layer(h_BSD, rope_cos, rope_sin, mask_positions_BS)
         h_BSD = self.norm(h_BSD) if self.norm is not None else h_BSD
         return self.output(h_BSD) if self.output is not None else h_BSD
 
@@ -230,6 +249,9 @@ class Transformer(nn.Module):
             # RoPE is gathered by explicit positions, so no buffer needs sharding on sequence.
             "seq_dim_buffers": {},
             "seq_dim_inputs": {"tokens": 1, "positions": 1},
+            # The forward input with the full rows' document positions (attention_mask = "document"):
+            # split with the batch, never sharded on sequence (attention needs every boundary).
+            "document_input": "document_positions",
             "experts": [f"{b}.moe.experts" for b, layer in zip(blocks, self.layers.values()) if layer.is_moe],
             "attention_modules": [f"{block}.attention.sdpa" for block in blocks],
             # FSDP units outside the blocks, in forward order: the embedding (resharded once used) and

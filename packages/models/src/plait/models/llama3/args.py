@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass
 
+from plait.models.documents import ATTENTION_MASKS, ROPE_POSITIONS
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -42,8 +44,17 @@ class ModelArgs:
     # Scale the init std of each block's output projections by its depth (torchtitan) rather than
     # by the total number of layers.
     depth_init: bool = True
+    # "document": a packed row's documents never attend to each other (block-diagonal causal); the
+    # forward then takes document_positions (plait.models.documents). "causal": plain causal.
+    attention_mask: str = "causal"
+    # "document": RoPE positions restart at every document (they are the document positions).
+    rope_positions: str = "sequence"
 
     def __post_init__(self):
+        if self.attention_mask not in ATTENTION_MASKS:
+            raise ValueError(f"attention_mask {self.attention_mask!r}: use one of {', '.join(ATTENTION_MASKS)}")
+        if self.rope_positions not in ROPE_POSITIONS:
+            raise ValueError(f"rope_positions {self.rope_positions!r}: use one of {', '.join(ROPE_POSITIONS)}")
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if isinstance(self.rope_scaling, dict):  # e.g. straight from a TOML config

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from plait.models.common import INIT_STD, FeedForward, ScaledDotProductAttention
+from plait.models.documents import attention_inputs
 from plait.models.llama3.args import ModelArgs
 from plait.models.llama3.rope import apply_rope, rope_at, rope_tables
 
@@ -30,7 +31,10 @@ class Attention(nn.Module):
         # The one place attention is computed; context parallel replaces this module.
         self.sdpa = ScaledDotProductAttention()
 
-    def forward(self, x_BSD: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x_BSD: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+        document_positions_BS: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         B, S, _ = x_BSD.shape
         # Head counts are inferred (-1), so tensor parallel's local heads work unchanged.
         q_BSHD = self.wq(x_BSD).view(B, S, -1, self.head_dim)
@@ -42,7 +46,11 @@ class Attention(nn.Module):
 
         # G kv heads go to the sdpa module as they are: the kernels do grouped-query attention
         # natively, without copying K/V up to H heads.
-        out_BHSD = self.sdpa(q_BSHD.transpose(1, 2), k_BSGD.transpose(1, 2), v_BSGD.transpose(1, 2))
+        # Causal calls keep the 3-argument sdpa contract; the document mask adds its positions.
+        documents = () if document_positions_BS is None else (document_positions_BS,)
+        out_BHSD = self.sdpa(
+            q_BSHD.transpose(1, 2), k_BSGD.transpose(1, 2), v_BSGD.transpose(1, 2), *documents
+        )
         out_BSE = out_BHSD.transpose(1, 2).reshape(B, S, -1)
         return self.wo(out_BSE)
 
@@ -69,8 +77,11 @@ class TransformerBlock(nn.Module):
         else:
             self.out_proj_init_std = INIT_STD / (2 * args.n_layers) ** 0.5
 
-    def forward(self, x_BSD: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
-        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), rope_cos, rope_sin)
+    def forward(
+        self, x_BSD: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+        document_positions_BS: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), rope_cos, rope_sin, document_positions_BS)
         return h_BSD + self.feed_forward(self.ffn_norm(h_BSD))
 
     def init_weights(self):
@@ -110,18 +121,26 @@ class Transformer(nn.Module):
         self._tie_embeddings()
         return module
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [B, S] int64, positions [S] or [B, S] int64 (default arange(S)) -> logits [B, S, V].
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        document_positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """tokens [B, S] int64, positions [S] or [B, S] int64, document_positions [B, S] int32 of the
+        full rows (plait.models.documents; needed by attention_mask / rope_positions = "document")
+        -> logits [B, S, V]. positions default: arange(S), or the document positions.
 
         The argument names are part of the contract: parallel_info()["seq_dim_inputs"] names them.
         """
         # A pipeline stage without the embedding receives hidden states [B, S, D] instead of tokens.
         h_BSD = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        if positions is None:
-            positions = torch.arange(tokens.shape[1], device=tokens.device)
+        positions, mask_positions_BS = attention_inputs(
+            self.args.attention_mask, self.args.rope_positions, tokens, positions, document_positions
+        )
         rope_cos, rope_sin = rope_at(self.rope_cos, self.rope_sin, positions)
         for layer in self.layers.values():
-            h_BSD = layer(h_BSD, rope_cos, rope_sin)
+            h_BSD = layer(h_BSD, rope_cos, rope_sin, mask_positions_BS)
         h_BSD = self.norm(h_BSD) if self.norm is not None else h_BSD
         return self.output(h_BSD) if self.output is not None else h_BSD
 
@@ -175,6 +194,9 @@ class Transformer(nn.Module):
             # RoPE is gathered by explicit positions, so no buffer needs sharding on sequence.
             "seq_dim_buffers": {},
             "seq_dim_inputs": {"tokens": 1, "positions": 1},
+            # The forward input with the full rows' document positions (attention_mask = "document"):
+            # split with the batch, never sharded on sequence (attention needs every boundary).
+            "document_input": "document_positions",
             "experts": [],
             "attention_modules": [f"{block}.attention.sdpa" for block in blocks],
             # FSDP units outside the blocks, in forward order: the embedding (resharded once used) and
