@@ -22,11 +22,10 @@ def loader(tok, batch, accum, rank, degree, seed=0, dataset="builtin", path=None
 
 
 def global_batch(loaders):
-    """One step of every rank, concatenated in rank order -> [G, SEQ] inputs and labels."""
+    """One step of every rank, concatenated in rank order -> [G, SEQ] inputs, labels and
+    document positions."""
     steps = [next(ld) for ld in loaders]
-    inputs = torch.cat([x for step in steps for x, _ in step])
-    labels = torch.cat([y for step in steps for _, y in step])
-    return inputs, labels
+    return tuple(torch.cat([mb[k] for step in steps for mb in step]) for k in range(3))
 
 
 # ---- tokenizer ----
@@ -91,14 +90,16 @@ def test_shapes_and_shifted_labels(tok, tmp_path):
     ld = loader(tok, batch=3, accum=2, rank=0, degree=1, dataset="json", path=str(path))
     step = next(ld)
     assert len(step) == 2
-    for x, y in step:
-        assert x.shape == y.shape == (3, SEQ)
-        assert x.dtype == y.dtype == torch.int64 and x.device.type == "cpu"
+    for x, y, p in step:
+        assert x.shape == y.shape == p.shape == (3, SEQ)
+        assert x.dtype == y.dtype == torch.int64 and p.dtype == torch.int32
+        assert x.device.type == y.device.type == p.device.type == "cpu"
+        assert torch.equal(x == tok.bos_id, p == 0)  # a document starts at its <bos>
         assert torch.equal(x[:, 1:], y[:, :-1])
         assert int(x.max()) < tok.n_words
     # Documents are packed with BOS/EOS: the stream is <bos> doc <eos> <bos> doc <eos> ...
     # Window i of the stream is inputs[i] followed by the last label of row i.
-    flat = torch.cat([torch.cat([x, y[:, -1:]], dim=1).flatten() for x, y in step])
+    flat = torch.cat([torch.cat([x, y[:, -1:]], dim=1).flatten() for x, y, _ in step])
     assert flat[0] == tok.bos_id
     eos_at = (flat[:-1] == tok.eos_id).nonzero().flatten()
     assert len(eos_at) > 0 and bool((flat[eos_at + 1] == tok.bos_id).all())
@@ -110,9 +111,9 @@ def test_global_batch_is_layout_independent(tok, degree, batch, accum):
     reference = loader(tok, batch=8, accum=1, rank=0, degree=1)
     ranks = [loader(tok, batch, accum, r, degree) for r in range(degree)]
     for _ in range(3):
-        ref_x, ref_y = global_batch([reference])
-        x, y = global_batch(ranks)
-        assert torch.equal(x, ref_x) and torch.equal(y, ref_y)
+        ref = global_batch([reference])
+        got = global_batch(ranks)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
     assert {str(ld.state_dict()) for ld in ranks} == {str(reference.state_dict())}
 
 
@@ -131,8 +132,8 @@ def test_resume_same_and_other_dp_degree(tok):
     expected = global_batch(ranks)
     # Restored under the same dp degree, under dp 1, and under dp 4 with accumulation.
     for degree, batch, accum in [(2, 4, 1), (1, 8, 1), (4, 1, 2)]:
-        x, y = global_batch([_resumed(tok, state, batch, accum, r, degree) for r in range(degree)])
-        assert torch.equal(x, expected[0]) and torch.equal(y, expected[1])
+        got = global_batch([_resumed(tok, state, batch, accum, r, degree) for r in range(degree)])
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
 
 
 def _resumed(tok, state, batch, accum, rank, degree):
@@ -152,7 +153,9 @@ def test_resume_across_epochs(tok, tmp_path):
     nxt = next(ld)
     other = loader(tok, 2, 2, 0, 1, dataset="json", path=str(path))
     other.load_state_dict(state)
-    assert torch.equal(torch.cat([x for x, _ in next(other)]), nxt[0][0])
+    got = next(other)
+    assert torch.equal(torch.cat([x for x, _, _ in got]), nxt[0][0])
+    assert torch.equal(torch.cat([p for _, _, p in got]), nxt[0][2])
     with pytest.raises(ValueError, match="seed"):
         loader(tok, 4, 1, 0, 1, seed=5, dataset="json", path=str(path)).load_state_dict(state)
 
@@ -182,7 +185,7 @@ def test_local_files(tok, tmp_path, fmt):
     seen = set()
     for dataset, dataset_path in [(builder, str(path)), ("auto", str(path)), (str(path), None)]:
         ld = loader(tok, 2, 1, 0, 1, dataset=dataset, path=dataset_path, **kw)
-        x, _ = next(ld)[0]
+        x, _, _ = next(ld)[0]
         seen.add(tuple(x.flatten().tolist()))
         assert "Document number" in tok.decode(x[0].tolist())
     assert len(seen) == 1  # same data whichever way the format is named
@@ -190,7 +193,7 @@ def test_local_files(tok, tmp_path, fmt):
 
 def test_validation_split_and_streaming(tok, tmp_path):
     val = loader(tok, 2, 1, 0, 1, split="validation")
-    x, y = next(val)[0]
+    x, y, _ = next(val)[0]
     assert x.shape == (2, SEQ) and torch.equal(x[:, 1:], y[:, :-1])
     with pytest.raises(ValueError, match="splits"):
         loader(tok, 2, 1, 0, 1, split="test")
@@ -204,10 +207,12 @@ def test_validation_split_and_streaming(tok, tmp_path):
     for _ in range(3):
         next(stream)
     state = stream.state_dict()
-    expected = next(stream)[0][0]
+    expected, _, expected_positions = next(stream)[0]
     resumed = loader(tok, 1, 2, 0, 1, dataset="json", path=str(path), streaming=True)
     resumed.load_state_dict(state)
-    assert torch.equal(torch.cat([x for x, _ in next(resumed)]), expected)
+    got = next(resumed)
+    assert torch.equal(torch.cat([x for x, _, _ in got]), expected)
+    assert torch.equal(torch.cat([p for _, _, p in got]), expected_positions)
     # A resumed loader saves a position that resumes correctly too (and through an epoch wrap).
     again = loader(tok, 2, 1, 0, 1, dataset="json", path=str(path), streaming=True)
     again.load_state_dict(resumed.state_dict())

@@ -19,7 +19,8 @@ def _corpus(folder):
 
 
 def _steps(ld, n):
-    return torch.stack([torch.cat([x for x, _ in next(ld)]) for _ in range(n)])
+    """[n, rows, 2 * SEQ]: each row's inputs, then its document positions (compared together)."""
+    return torch.stack([torch.cat([torch.cat([x, p.long()], dim=1) for x, _, p in next(ld)]) for _ in range(n)])
 
 
 def _rank(rank, world, path):

@@ -29,20 +29,26 @@ def make(corpus, rank=0, degree=1, exchange=None):
                             exchange=exchange)
 
 
+def rows(step):
+    """The step's (one) micro-batch as [rows, 2 * SEQ]: inputs, then document positions."""
+    (x, _, p), = step
+    return torch.cat([x, p.long()], dim=1)
+
+
 def test_same_batches_and_exact_resume(corpus):
     plain = make(corpus)
-    expected = [next(plain)[0][0] for _ in range(8)]
+    expected = [rows(next(plain)) for _ in range(8)]
     ahead = PrefetchingLoader(make(corpus), ahead=2)
     assert ahead.state_dict() == make(corpus).state_dict()  # before the first batch: the start
-    got = [next(ahead)[0][0] for _ in range(4)]
+    got = [rows(next(ahead)) for _ in range(4)]
     state = ahead.state_dict()  # after 4 batches, though the thread has prepared more
     resumed = PrefetchingLoader(make(corpus))
     resumed.load_state_dict(json.loads(json.dumps(state)))
-    got += [next(resumed)[0][0] for _ in range(4)]
+    got += [rows(next(resumed)) for _ in range(4)]
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
     # load_state_dict on a running prefetcher stops its thread and restarts from the state.
     ahead.load_state_dict(state)
-    assert torch.equal(next(ahead)[0][0], expected[4])
+    assert torch.equal(rows(next(ahead)), expected[4])
     ahead.close()
     resumed.close()
 
@@ -58,12 +64,12 @@ def test_taking_a_prepared_batch_is_free(corpus):
 
 
 def test_threaded_ranks_with_exchange_close_cleanly(corpus):
-    expected = [next(ld)[0][0] for ld in [make(corpus)] for _ in range(5)]
+    expected = [rows(next(ld)) for ld in [make(corpus)] for _ in range(5)]
     exchanges, out = ThreadExchange.group(2), [None, None]
 
     def rank(r):
         ld = PrefetchingLoader(make(corpus, r, 2, exchanges[r]), ahead=2)
-        out[r] = [next(ld)[0][0] for _ in range(5)]
+        out[r] = [rows(next(ld)) for _ in range(5)]
         ld.close()  # joins: the prefetched exchanges were asked for by both ranks
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]

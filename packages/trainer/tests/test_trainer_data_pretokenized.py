@@ -32,7 +32,8 @@ def corpus(tmp_path_factory):
 
 
 def steps(ld, n):
-    return torch.stack([torch.cat([x for x, _ in next(ld)]) for _ in range(n)])
+    """[n, rows, 2 * SEQ]: each row's inputs, then its document positions (compared together)."""
+    return torch.stack([torch.cat([torch.cat([x, p.long()], dim=1) for x, _, p in next(ld)]) for _ in range(n)])
 
 
 def test_files_hold_the_on_the_fly_tokens(tok, corpus):

@@ -53,8 +53,10 @@ def make(tok, corpus, rank, degree, exchange=None, accum=1):
 
 
 def steps(ld, n):
-    """n steps of one rank: [n, rows, SEQ] inputs."""
-    return torch.stack([torch.cat([x for x, _ in ld.__next__()]) for _ in range(n)])
+    """n steps of one rank: [n, rows, 2 * SEQ], each row's inputs then its document positions (so
+    every comparison covers both)."""
+    return torch.stack([torch.cat([torch.cat([x, p.long()], dim=1) for x, _, p in ld.__next__()])
+                        for _ in range(n)])
 
 
 def test_ranks_encode_their_share_and_see_the_one_rank_batches(tok, corpus):

@@ -56,7 +56,7 @@ def test_loader_packs_with_its_bos_eos(tokenizer_dir, tmp_path):
     tok = build_tokenizer(str(tokenizer_dir))
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in CORPUS))
-    x, y = next(build_dataloader("json", str(path), tok, 64, 2, 1, 0, 1, 0))[0]
+    x, y, _ = next(build_dataloader("json", str(path), tok, 64, 2, 1, 0, 1, 0))[0]
     assert x[0, 0] == tok.bos_id and torch.equal(x[:, 1:], y[:, :-1]) and int(x.max()) < tok.n_words
     assert (x == tok.eos_id).any()
 

@@ -252,7 +252,9 @@ class Trainer:
         accumulation = len(micro_batches)
         step_loss = torch.zeros((), device=self.device)
         autocast = self.pm.autocast or contextlib.nullcontext()
-        batches = [self._local_batch(inputs_BS, labels_BS) for inputs_BS, labels_BS in micro_batches]
+        # A micro-batch is (inputs, labels, document_positions); the positions are not used yet.
+        batches = [self._local_batch(inputs_BS, labels_BS) for inputs_BS, labels_BS, *_ in micro_batches]
+        _document_positions = [rest[0] if rest else None for _, _, *rest in micro_batches]
         # Data parallel averages gradients over the dp x cp ranks; scaling each rank's loss sum by
         # ranks / (valid tokens of the global batch) makes the step's gradient the mean over every
         # valid token, however they are split over ranks, micro-batches and ignored labels.
@@ -300,7 +302,7 @@ class Trainer:
         autocast = self.pm.autocast or contextlib.nullcontext()
         n = 0
         for micro_batches in loader:
-            for inputs_BS, labels_BS in micro_batches:
+            for inputs_BS, labels_BS, *_document_positions in micro_batches:  # positions not used yet
                 inputs_BS, labels_BS, positions = self._local_batch(inputs_BS, labels_BS)
                 with self.loss_context(), autocast:
                     loss = cross_entropy_loss(self.model(inputs_BS, positions), labels_BS)

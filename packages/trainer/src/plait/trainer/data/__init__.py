@@ -3,7 +3,7 @@
     tok = build_tokenizer(None)                    # the shipped 2048-id BPE
     loader = build_dataloader("builtin", None, tok, seq_len=512, local_batch_size=8,
                               gradient_accumulation_steps=1, dp_rank=0, dp_degree=1, seed=0)
-    for micro_batches in loader: ...               # [(inputs_BS, labels_BS)] * grad_accum
+    for micro_batches in loader: ...   # [(inputs_BS, labels_BS, document_positions_BS)] * grad_accum
 
 See packages/trainer/DATA.md.
 """

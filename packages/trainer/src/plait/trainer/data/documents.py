@@ -11,7 +11,7 @@ import itertools
 
 import numpy as np
 
-from .sources import DataError, read_error
+from .errors import DataError, read_error
 from .tokenizer import Tokenizer
 
 # Token ids of the built-in corpus, per (split, tokenizer file, vocab size): a list with one

@@ -4,7 +4,10 @@ One deterministic token stream per (dataset, split, seed): documents in a per-ep
 order (map-style datasets; streaming datasets in their own order), each tokenised as
 `<|begin_of_text|> text <|end_of_text|>`, concatenated across documents and epochs, and cut into
 windows of `seq_len + 1` tokens. Window i is sequence i of the stream; its first `seq_len`
-tokens are the inputs and its last `seq_len` the labels.
+tokens are the inputs and its last `seq_len` the labels. Next to them, each input token's offset
+inside its document (`document_positions_BS`: 0 at its `<|begin_of_text|>`; a row that starts
+mid-document continues that document's count), from which document masking cuts a row into
+its documents and per-document RoPE takes its positions (packages/trainer/DATA.md).
 
 Step k's global batch is sequences [k*G, (k+1)*G) with G = local_batch_size * grad_accum *
 dp_degree. Dp rank r takes the contiguous rows [r*L*A, (r+1)*L*A) (L = local_batch_size,
@@ -27,14 +30,17 @@ from .documents import MapDocuments, StreamDocuments
 from .exchange import SoloExchange
 from .sources import TOKENS, load_documents, resolve_source
 from .stream import IndexedTokenStream, SharedTokenStream
+from .token_files import TokenFileDocuments
 from .tokenizer import Tokenizer
 
-MicroBatch = tuple[torch.Tensor, torch.Tensor]
+# (inputs_BS int64, labels_BS int64, document_positions_BS int32), all on the CPU.
+MicroBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class PackedDataLoader:
     """Iterate to get, per optimizer step, this rank's `grad_accum` micro-batches
-    `(inputs_BS, labels_BS)` (int64, CPU). Infinite; `state_dict()` is the stream position.
+    `(inputs_BS, labels_BS, document_positions_BS)` (int64, int64, int32; CPU). Infinite;
+    `state_dict()` is the stream position.
 
     `exchange` holds the ranks that share the tokenising (every rank of the job, whatever its
     dp rank); without one this rank tokenises everything up to its rows alone.
@@ -79,13 +85,16 @@ class PackedDataLoader:
         window = self.seq_len + 1
         rows = self.local_batch_size * self.gradient_accumulation_steps
         first = self.dp_rank * rows * window
-        tokens = self._stream.take(self.global_batch_size * window, first, first + rows * window)
+        tokens, positions = self._stream.take(self.global_batch_size * window, first, first + rows * window)
         self.sequence += self.global_batch_size
         mine = torch.from_numpy(tokens.reshape(rows, window)).long()
+        # The inputs' positions: a window's last token is only a label.
+        where = torch.from_numpy(positions.reshape(rows, window)[:, :-1])
         micro_batches = []
         for m in range(self.gradient_accumulation_steps):
-            part = mine[m * self.local_batch_size : (m + 1) * self.local_batch_size]
-            micro_batches.append((part[:, :-1].contiguous(), part[:, 1:].contiguous()))
+            rows_m = slice(m * self.local_batch_size, (m + 1) * self.local_batch_size)
+            part = mine[rows_m]
+            micro_batches.append((part[:, :-1].contiguous(), part[:, 1:].contiguous(), where[rows_m].contiguous()))
         return micro_batches
 
     def state_dict(self) -> dict[str, Any]:
@@ -141,8 +150,6 @@ def build_dataloader(dataset: str, dataset_path: str | None, tokenizer: Tokenize
     """
     name = f"{dataset_path or dataset} ({split})"
     if dataset == TOKENS:
-        from .token_files import TokenFileDocuments
-
         resolve_source(dataset, dataset_path, split)
         documents = TokenFileDocuments(dataset_path, tokenizer, seed, shuffle=split == "train", split=split)
         return PackedDataLoader(documents, tokenizer, seq_len, local_batch_size, gradient_accumulation_steps,

@@ -19,7 +19,6 @@ and the tokenizer's identity (`tokenizer_sha256`, its file's hash, compared at l
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -28,14 +27,15 @@ from pathlib import Path
 
 import numpy as np
 
-TOKENS_FILE, OFFSETS_FILE, META_FILE = "tokens.bin", "offsets.npy", "meta.json"
+from .errors import DataError
+from .sources import load_documents
+from .token_format import META_FILE, OFFSETS_FILE, TOKENS_FILE, tokenizer_sha256
+from .tokenizer import build_tokenizer
+
 _TOKENIZERS: dict[str, object] = {}  # one per worker process, built on first use
 
 
 def _tokenize(batch: dict, text_field: str, tokenizer_path: str | None) -> dict:
-    from .sources import DataError
-    from .tokenizer import build_tokenizer
-
     key = tokenizer_path or ""
     if key not in _TOKENIZERS:
         _TOKENIZERS[key] = build_tokenizer(tokenizer_path)
@@ -47,16 +47,6 @@ def _tokenize(batch: dict, text_field: str, tokenizer_path: str | None) -> dict:
                         "string in the text field; remove or fix it")
     ids = tok.encode_batch(texts, bos=True, eos=True)
     return {"ids": ids, "length": [len(x) for x in ids]}
-
-
-def tokenizer_sha256(tokenizer) -> str:
-    """The identity of a tokenizer: the hash of the file it was read from (two tokenizers of the
-    same size and special ids are still told apart)."""
-    digest = hashlib.sha256()
-    with open(tokenizer.model_path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def check_output(output: Path) -> None:
@@ -83,9 +73,6 @@ def _publish(tmp: Path, output: Path) -> None:
 def pretokenize(dataset: str, dataset_path: str | None, output: str | Path, tokenizer_path: str | None = None,
                 split: str = "train", text_field: str = "text", num_proc: int = 1) -> dict:
     """Write the token folder; return its meta."""
-    from .sources import load_documents
-    from .tokenizer import build_tokenizer
-
     output = Path(output)
     check_output(output)
     tok = build_tokenizer(tokenizer_path)

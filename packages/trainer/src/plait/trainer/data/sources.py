@@ -23,6 +23,9 @@ from pathlib import Path
 
 import datasets
 
+from .errors import DataError, read_error
+from .token_format import read_meta
+
 LOCAL_BUILDERS = ("json", "parquet", "text", "csv", "arrow")
 TOKENS = "tokens"  # a pre-tokenised folder (pretokenize.py), read without `datasets`
 _EXTENSION_BUILDERS = {
@@ -108,30 +111,6 @@ def resolve_source(dataset: str, dataset_path: str | None, split: str = "train")
     return dataset_path or repo, {"name": config or None}
 
 
-class DataError(ValueError):
-    """Data that cannot be trained on; the message names the file (or row) and the fix."""
-
-
-def read_error(e: BaseException, name: str) -> DataError:
-    """One line for a failure to read `name`, from the root cause `datasets` wraps."""
-    causes = [e]
-    while causes[-1].__cause__ or causes[-1].__context__:
-        causes.append(causes[-1].__cause__ or causes[-1].__context__)
-    kinds = {type(c).__name__ for c in causes}
-    if "UnicodeDecodeError" in kinds:
-        u = next(c for c in causes if isinstance(c, UnicodeDecodeError))
-        return DataError(f"{name} is not UTF-8 text (byte {u.object[u.start:u.start + 1]!r} at offset {u.start} "
-                         "of a block): re-encode it as UTF-8, e.g. iconv -f latin1 -t utf-8")
-    if "ArrowInvalid" in kinds and any("JSON" in str(c) for c in causes):
-        first = next(str(c) for c in causes if "JSON" in str(c)).splitlines()[0]
-        return DataError(f"{name} is not valid JSON lines ({first}): fix that line, or read the file "
-                         "as plain text with data.dataset = 'text'")
-    if kinds & {"StopIteration", "SchemaInferenceError"}:
-        return DataError(f"{name} has no documents: give a file with at least one row")
-    root = causes[-1]
-    return DataError(f"{name} could not be read: {type(root).__name__}: {str(root).strip().splitlines()[0] if str(root).strip() else ''}")
-
-
 def load_documents(dataset: str, dataset_path: str | None, split: str = "train", streaming: bool = False):
     """A `datasets.Dataset` (map-style) or `datasets.IterableDataset` (streaming) of documents."""
     path, kwargs = resolve_source(dataset, dataset_path, split)
@@ -152,8 +131,6 @@ def check_readable(dataset: str, dataset_path: str | None, split: str, text_fiel
     empty, undecodable or malformed file, or a missing text column, fails before the model is
     built. Hub sources are checked when they are opened."""
     if dataset == TOKENS:
-        from .token_files import read_meta
-
         read_meta(dataset_path)
         return
     if not is_local(dataset):

@@ -7,6 +7,10 @@ seek) is tokenised by rank g % R only, the R ranks all-gather the lengths (a few
 one all-to-all sends every rank exactly the token pieces of its own rows. A rank so tokenises
 1/R of the documents and receives only the tokens it trains on, and every rank knows the same
 layout, so the position (and the checkpointed state) is the same on all of them.
+
+`take` also returns each token's offset inside its document (0 at its `<bos>`), from the same
+layout: no rank needs another's tokens for it, and a range that starts mid-document continues
+that document's count, after a seek too (the position holds the offset into the document).
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from collections import deque
 import numpy as np
 
 from .documents import Document
-from .sources import DataError
+from .errors import DataError
+from .exchange import SoloExchange
 
 
 class SharedTokenStream:
@@ -47,9 +52,9 @@ class SharedTokenStream:
         d = self._docs[0]
         return d.epoch, d.doc, self.offset, d.hf_state
 
-    def take(self, total: int, lo: int, hi: int) -> np.ndarray:
-        """Tokens [lo, hi) of the next `total` tokens (this rank's rows), then move past all
-        `total`. Every rank calls it with the same `total`."""
+    def take(self, total: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens [lo, hi) of the next `total` tokens (this rank's rows) and their document
+        positions (int32), then move past all `total`. Every rank calls it with the same `total`."""
         self._resolve(total)
         ex = self.exchange
         requests = ex.all_gather((lo, hi)) if ex.size > 1 else [(lo, hi)]
@@ -71,12 +76,13 @@ class SharedTokenStream:
                 src = self._owner(i)
                 out.append(received[src][cursor[src] : cursor[src] + n])
                 cursor[src] += n
+        positions = document_positions(spans, lo, hi)
         self._consume(total)
         if self.split and self._resolved < ex.size:
             # Keep a resolved document of every rank ahead, so the state (each rank's stream
             # position) is known everywhere without a collective of its own.
             self._round(ex.size - self._resolved)
-        return np.concatenate(out) if out else np.zeros(0, np.int32)
+        return (np.concatenate(out) if out else np.zeros(0, np.int32)), positions
 
     def split_state(self) -> dict:
         """Split by node: where each rank's stream stands, and whose document is current."""
@@ -178,16 +184,15 @@ class IndexedTokenStream(SharedTokenStream):
     own rows. No tokenising, no collective."""
 
     def __init__(self, documents):
-        from .exchange import SoloExchange
-
         super().__init__(documents, SoloExchange())
 
-    def take(self, total: int, lo: int, hi: int) -> np.ndarray:
+    def take(self, total: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
         self._resolve(total)
-        out = [self.documents.slice(d, max(lo, s) - s, min(hi, e) - s)
-               for _, d, s, e in self._spans(total) if s < hi and e > lo]
+        spans = self._spans(total)
+        out = [self.documents.slice(d, max(lo, s) - s, min(hi, e) - s) for _, d, s, e in spans if s < hi and e > lo]
+        positions = document_positions(spans, lo, hi)
         self._consume(total)
-        return np.concatenate(out) if out else np.zeros(0, np.int32)
+        return (np.concatenate(out) if out else np.zeros(0, np.int32)), positions
 
     def _resolve(self, need: int) -> None:
         empty_run = 0  # documents in a row without a token: a whole epoch of them would loop forever
@@ -201,3 +206,12 @@ class IndexedTokenStream(SharedTokenStream):
                 raise DataError(f"{self.documents.name}: every document is empty (0 tokens): nothing to train on")
             self._resolved_tokens += d.length
             self._resolved += 1
+
+
+def document_positions(spans: list[tuple[int, Document, int, int]], lo: int, hi: int) -> np.ndarray:
+    """Each token of [lo, hi)'s offset inside its document (int32). `spans` (index, document,
+    start, end) tile the range in the same coordinates: one arange over the range, shifted back
+    by each token's document start (repeated per document, no loop over tokens)."""
+    bounds = np.array([(s, e) for _, _, s, e in spans if s < hi and e > lo], np.int64).reshape(-1, 2)
+    counts = np.minimum(bounds[:, 1], hi) - np.maximum(bounds[:, 0], lo)
+    return (np.arange(lo, hi, dtype=np.int64) - np.repeat(bounds[:, 0], counts)).astype(np.int32)

@@ -4,56 +4,13 @@ and every batch — equals the on-the-fly path's over the same dataset and token
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from .documents import Document, MapDocuments
-from .pretokenize import META_FILE, OFFSETS_FILE, TOKENS_FILE
-from .sources import DataError
-
-
-def read_meta(folder: str | Path) -> dict:
-    """meta.json of a token folder, checking the files it describes are there and whole."""
-    folder = Path(folder)
-    fix = "write it with python -m plait.trainer.data.pretokenize"
-    if not (folder / META_FILE).is_file():
-        raise FileNotFoundError(f"{folder} is not a pre-tokenised folder (no {META_FILE}): {fix}")
-    try:
-        meta = json.loads((folder / META_FILE).read_text())
-        offsets = np.load(folder / OFFSETS_FILE, mmap_mode="r")
-    except (OSError, ValueError) as e:
-        raise DataError(f"{folder}: {META_FILE} or {OFFSETS_FILE} cannot be read ({e}); {fix}") from None
-    size = (folder / TOKENS_FILE).stat().st_size if (folder / TOKENS_FILE).is_file() else -1
-    # pretokenize.py writes exactly the tokens (one placeholder id for an empty folder).
-    if len(offsets) != meta["num_documents"] + 1 or size != 4 * max(meta["num_tokens"], 1):
-        raise DataError(f"{folder}: {TOKENS_FILE} ({size} bytes) / {OFFSETS_FILE} ({len(offsets)} entries) do not "
-                        f"match {META_FILE} ({meta['num_tokens']} tokens, {meta['num_documents']} documents; an "
-                        f"interrupted or mixed write?); {fix}")
-    if meta["num_documents"] == 0:
-        raise DataError(f"{folder} has no documents: pre-tokenise a dataset with at least one row")
-    bad = _offsets_problem(offsets, meta["num_tokens"])
-    if bad:
-        raise DataError(f"{folder}: {OFFSETS_FILE} {bad}; {fix}")
-    if meta["num_tokens"] == 0:
-        raise DataError(f"{folder}: every document is empty (0 tokens): there is nothing to train on; {fix} "
-                        "from a dataset with text")
-    return meta
-
-
-def _offsets_problem(offsets: np.ndarray, num_tokens: int, block: int = 1 << 22) -> str | None:
-    """Why `offsets` are not 0 = o[0] <= o[1] <= ... <= o[-1] = num_tokens (read in blocks:
-    8 bytes a document, memory-mapped), or None."""
-    if offsets[0] != 0 or offsets[-1] != num_tokens:
-        return f"run from {int(offsets[0])} to {int(offsets[-1])}, not from 0 to num_tokens = {num_tokens}"
-    for start in range(0, len(offsets) - 1, block):
-        steps = np.diff(offsets[start : start + block + 1])
-        if (steps < 0).any():
-            doc = start + int(np.argmax(steps < 0))
-            return (f"go backwards at document {doc} ({int(offsets[doc])} -> {int(offsets[doc + 1])}): "
-                    "offsets must not decrease")
-    return None
+from .errors import DataError
+from .token_format import OFFSETS_FILE, TOKENS_FILE, read_meta, tokenizer_sha256
 
 
 class TokenFileDocuments(MapDocuments):
@@ -103,8 +60,6 @@ class TokenFileDocuments(MapDocuments):
 
 
 def _tokenizer_sha256(tokenizer) -> str | None:
-    from .pretokenize import tokenizer_sha256
-
     try:
         return tokenizer_sha256(tokenizer)
     except (OSError, AttributeError, TypeError):  # a tokenizer not read from a file (tests' stand-ins)
