@@ -1,8 +1,8 @@
 """All-gather context parallel (pass-KV): every rank gathers K and V once per layer.
 
 Forward: all-gather K and V (one collective; each comes out contiguous), reorder the chunks to
-sequence order, attend the local queries to the keys each one may see (layout.plan_blocks), merge
-through the lse.
+sequence order, attend the local queries to the keys each one may see (layout.plan_blocks, or with
+documents documents.plan_document_blocks), merge through the lse.
 Backward: gather again (only the local K/V are saved, so activation memory stays O(S / cp)),
 accumulate dK/dV for the whole sequence in fp32, reduce-scatter them back to their owners.
 """
@@ -10,10 +10,10 @@ accumulate dK/dV for the whole sequence in fp32, reduce-scatter them back to the
 import torch
 import torch.distributed as dist
 
-from .blockwise import blocks_backward, blocks_forward
+from .blockwise import blocks_backward, blocks_forward, plan
 from .comm import all_gather, pack, reduce_scatter, unpack
 from .kernels import MergedAttention, accum_dtype, last_dim_contiguous
-from .layout import SequenceLayout, plan_blocks
+from .layout import SequenceLayout
 
 
 def _gather_kv(k_BGLD: torch.Tensor, v_BGLF: torch.Tensor, group, layout: SequenceLayout):
@@ -50,17 +50,18 @@ def rank_major(x_BGSF: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
 
 class AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, layout: SequenceLayout, scale: float):
+    def forward(ctx, q, k, v, group, layout: SequenceLayout, scale: float, segments=None):
         rank = dist.get_rank(group)
         q = last_dim_contiguous(q)
         k_full, v_full = _gather_kv(k, v, group, layout)
         chunk = q.shape[2] // 2
-        blocks = plan_blocks(layout.chunks(rank), range(layout.n_chunks))
+        # segments (documents.DocumentSegments) or None (causal): the blocks and their unit in tokens.
+        blocks, unit = plan(layout.chunks(rank), range(layout.n_chunks), chunk, segments)
         acc = MergedAttention(q, v.shape[-1])
-        blocks_forward(acc, q, k_full, v_full, blocks, chunk, scale)
+        blocks_forward(acc, q, k_full, v_full, blocks, unit, scale)
         out = acc.out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, acc.lse)
-        ctx.group, ctx.layout, ctx.scale, ctx.blocks = group, layout, scale, blocks
+        ctx.group, ctx.layout, ctx.scale, ctx.blocks, ctx.unit = group, layout, scale, blocks, unit
         return out
 
     @staticmethod
@@ -68,14 +69,13 @@ class AllGatherAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         d = k.shape[-1]
         k_full, v_full = _gather_kv(k, v, ctx.group, ctx.layout)
-        chunk = q.shape[2] // 2
         dq = torch.zeros(q.shape, dtype=accum_dtype(q.dtype), device=q.device)
         # One fp32 [dK | dV] accumulator (the kernels never read it): one reduce-scatter for both.
         B, G, S, _ = k_full.shape
         dkv = torch.zeros(B, G, S, d + v.shape[-1], dtype=accum_dtype(q.dtype), device=q.device)
         blocks_backward(
             dq, dkv[..., :d], dkv[..., d:], dout.contiguous(), q, k_full, v_full, out, lse,
-            ctx.blocks, chunk, ctx.scale,
+            ctx.blocks, ctx.unit, ctx.scale,
         )
         dkv_local = _scatter_grad(dkv, ctx.group, ctx.layout)
-        return dq.to(q.dtype), dkv_local[..., :d].to(k.dtype), dkv_local[..., d:].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv_local[..., :d].to(k.dtype), dkv_local[..., d:].to(v.dtype), None, None, None, None

@@ -8,6 +8,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .allgather import AllGatherAttention
 from .config import ContextParallelConfig
+from .documents import document_segments
 from .layout import SequenceLayout
 from .ring import RingAttention
 from .ulysses import UlyssesAttention
@@ -16,10 +17,12 @@ _FUNCTIONS = {"allgather": AllGatherAttention, "ring": RingAttention, "ulysses":
 
 
 class ContextParallelAttention(nn.Module):
-    """Causal attention over a sequence sharded across the cp mesh, in `layout`'s order.
+    """Causal or document attention over a sequence sharded across the cp mesh, in `layout`'s order.
 
     Takes and returns what the model's sdpa module does: q [B, H, S/cp, Dqk], k [B, G, S/cp, Dqk],
-    v [B, G, S/cp, Dv] -> [B, H, S/cp, Dv], where S/cp are this rank's tokens.
+    v [B, G, S/cp, Dv] -> [B, H, S/cp, Dv], where S/cp are this rank's tokens, and optionally
+    document_positions_BS [B, S]: the FULL rows' offsets inside their documents (the same on every
+    cp rank; None: causal). Its segments are read on the host once per tensor and cached on it.
     """
 
     def __init__(self, mesh: DeviceMesh, method: str, layout: SequenceLayout, scale: float | None = None):
@@ -29,9 +32,26 @@ class ContextParallelAttention(nn.Module):
 
     # The collectives inside cannot be traced: a compiled block calls this eagerly.
     @torch.compiler.disable
-    def forward(self, q_BHLD: torch.Tensor, k_BGLD: torch.Tensor, v_BGLD: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        q_BHLD: torch.Tensor,
+        k_BGLD: torch.Tensor,
+        v_BGLD: torch.Tensor,
+        document_positions_BS: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         scale = self.scale if self.scale is not None else q_BHLD.shape[-1] ** -0.5
-        return self._function.apply(q_BHLD, k_BGLD, v_BGLD, self.mesh.get_group(), self.layout, scale)
+        segments = None
+        if document_positions_BS is not None:
+            segments = document_segments(document_positions_BS)
+            B, L = q_BHLD.shape[0], q_BHLD.shape[2]
+            if (segments.batch, segments.seq_len) != (B, L * self.layout.cp):
+                raise ValueError(
+                    f"document_positions [{segments.batch}, {segments.seq_len}] must be the full rows "
+                    f"[{B}, {L * self.layout.cp}] of these q/k/v shards ({L} tokens per rank x cp {self.layout.cp})"
+                )
+            if segments.single_document_rows:  # no boundary inside any row: exactly the causal plan
+                segments = None
+        return self._function.apply(q_BHLD, k_BGLD, v_BGLD, self.mesh.get_group(), self.layout, scale, segments)
 
     def extra_repr(self) -> str:
         return f"method={self.method}, cp={self.layout.cp}, load_balance={self.layout.load_balance}"

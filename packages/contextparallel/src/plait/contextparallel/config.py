@@ -5,6 +5,9 @@ from dataclasses import dataclass
 from plait.mesh import ParallelConfigError
 
 METHODS = ("allgather", "ring", "ulysses")
+ATTENTION_MASKS = ("causal", "document")
+"""What every method honours: "document" needs nothing more than the rows' document_positions,
+handed to the attention modules as their 4th argument (full rows, the same on every cp rank)."""
 
 
 @dataclass(frozen=True)
@@ -16,11 +19,19 @@ class ContextParallelConfig:
     """Head-tail (zigzag) sharding: rank r holds chunks r and 2cp-1-r of 2cp, so causal work is even."""
 
 
-def validate_context_parallel(info: dict, cp: int, seq_len: int, config: ContextParallelConfig, tp: int = 1) -> None:
+def validate_context_parallel(
+    info: dict, cp: int, seq_len: int, config: ContextParallelConfig, tp: int = 1, attention_mask: str = "causal"
+) -> None:
     """Check a model's metadata and the run against context parallel; raise ParallelConfigError.
 
-    Local and identical on every rank: call it before any collective.
+    `attention_mask` is the model's (`model.attention_mask`): every method honours "causal" and
+    "document". Local and identical on every rank: call it before any collective.
     """
+    if attention_mask not in ATTENTION_MASKS:
+        raise ParallelConfigError(
+            f"model.attention_mask = {attention_mask!r}: context parallel (every cp_method) computes "
+            f"{' or '.join(repr(m) for m in ATTENTION_MASKS)} attention; set model.attention_mask to one of them."
+        )
     if config.method not in METHODS:
         raise ParallelConfigError(
             f"parallelism.cp_method = {config.method!r}: use one of {', '.join(METHODS)}."

@@ -110,6 +110,13 @@ def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def aligned(x: torch.Tensor) -> torch.Tensor:
+    """`x` itself when its data pointer is 16-byte aligned (FlashAttention-2's vector loads), else a
+    dense copy. Slices at token offsets (document plans) are aligned whenever a token's row of the
+    head dim is a multiple of 16 bytes, as every head dim the CUDA flash kernel takes is in fp16/bf16."""
+    return x if x.data_ptr() % 16 == 0 else torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x)
+
+
 def _pad_last(x: torch.Tensor, size: int) -> torch.Tensor:
     return x if x.shape[-1] == size else F.pad(x, (0, size - x.shape[-1]))
 
@@ -165,10 +172,11 @@ class MergedAttention:
         self.out = torch.zeros(B, H, L, dv, dtype=dtype, device=q.device)
         self.lse = torch.full((B, H, L), float("-inf"), dtype=dtype, device=q.device)
 
-    def add(self, rows: slice, out_blk: torch.Tensor, lse_blk: torch.Tensor) -> None:
-        lse_old = self.lse[:, :, rows]
+    def add(self, rows: slice, out_blk: torch.Tensor, lse_blk: torch.Tensor, batch: slice = slice(None)) -> None:
+        """Merge a block computed for query `rows` of batch rows `batch` (document plans cover some rows)."""
+        lse_old = self.lse[batch, :, rows]
         lse_new = torch.logaddexp(lse_old, lse_blk)
-        out = self.out[:, :, rows]
+        out = self.out[batch, :, rows]
         out.mul_(torch.exp(lse_old - lse_new)[..., None])
         out.add_(out_blk.to(out.dtype) * torch.exp(lse_blk - lse_new)[..., None])
-        self.lse[:, :, rows] = lse_new
+        self.lse[batch, :, rows] = lse_new

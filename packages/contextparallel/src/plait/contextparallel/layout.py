@@ -110,13 +110,21 @@ def unshard_sequence(shards: Sequence[torch.Tensor], dim: int, layout: SequenceL
 
 @dataclass(frozen=True)
 class Block:
-    """One kernel call: query slots [q0, q1) against key slots [k0, k1) (slot = one chunk)."""
+    """One kernel call: batch rows [b0, b1) (all rows when b1 is None), query units [q0, q1) against
+    key units [k0, k1). A unit is one chunk in the causal plans (`plan_blocks`), one token in the
+    document plans (`documents.plan_document_blocks`): the caller passes its size to the kernels."""
 
     q0: int
     q1: int
     k0: int
     k1: int
     causal: bool  # square diagonal block (q1 - q0 == k1 - k0), causal mask top-left aligned
+    b0: int = 0
+    b1: int | None = None
+
+    @property
+    def batch(self) -> slice:
+        return slice(self.b0, self.b1)
 
 
 def plan_blocks(q_chunks: Sequence[int], kv_chunks: Sequence[int]) -> list[Block]:

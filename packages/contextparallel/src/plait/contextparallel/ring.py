@@ -12,42 +12,44 @@ never computed); without it rank r computes only the steps that bring earlier ch
 import torch
 import torch.distributed as dist
 
-from .blockwise import blocks_backward, blocks_forward
+from .blockwise import blocks_backward, blocks_forward, plan
 from .comm import GRAD_TAG, KV_TAG, RingShift, pack, unpack
 from .kernels import MergedAttention, accum_dtype, last_dim_contiguous
-from .layout import SequenceLayout, plan_blocks
+from .layout import SequenceLayout
 
 
-def _plans(layout: SequenceLayout, rank: int):
-    """The blocks of each step: the K/V held at step s came from rank - s."""
-    return [plan_blocks(layout.chunks(rank), layout.chunks((rank - s) % layout.cp)) for s in range(layout.cp)]
+def _plans(layout: SequenceLayout, rank: int, chunk: int = 1, segments=None):
+    """The blocks of each step: the K/V held at step s came from rank - s. Causal plans are in chunk
+    units; with `segments` (documents.DocumentSegments) they are document plans in token units, and a
+    step whose blocks are all masked computes nothing (its K/V and dK/dV still pass on)."""
+    return [plan(layout.chunks(rank), layout.chunks((rank - s) % layout.cp), chunk, segments)[0] for s in range(layout.cp)]
 
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, layout: SequenceLayout, scale: float):
+    def forward(ctx, q, k, v, group, layout: SequenceLayout, scale: float, segments=None):
         rank = dist.get_rank(group)
         q = last_dim_contiguous(q)
         chunk = q.shape[2] // 2
         shift = RingShift(group, KV_TAG)
-        plans = _plans(layout, rank)
+        plans = _plans(layout, rank, chunk, segments)
+        unit = chunk if segments is None else 1
         acc = MergedAttention(q, v.shape[-1])
         kv = pack(k, v)  # flat [K | V]: one message per hop, K and V contiguous views of it
         for step, blocks in enumerate(plans):
             pending = shift.start(kv) if step + 1 < layout.cp else None
-            blocks_forward(acc, q, *unpack(kv, (k.shape, v.shape)), blocks, chunk, scale)
+            blocks_forward(acc, q, *unpack(kv, (k.shape, v.shape)), blocks, unit, scale)
             if pending is not None:
                 kv = pending.wait()
         out = acc.out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, acc.lse)
-        ctx.group, ctx.layout, ctx.scale, ctx.plans = group, layout, scale, plans
+        ctx.group, ctx.layout, ctx.scale, ctx.plans, ctx.unit = group, layout, scale, plans, unit
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         d = k.shape[-1]
-        chunk = q.shape[2] // 2
         dout = dout.contiguous()
         kv_shift, grad_shift = RingShift(ctx.group, KV_TAG), RingShift(ctx.group, GRAD_TAG)
         dq = torch.zeros(q.shape, dtype=accum_dtype(q.dtype), device=q.device)
@@ -58,7 +60,7 @@ class RingAttention(torch.autograd.Function):
             # The block's fp32 [dK | dV] accumulator travels as one message (the kernels never read it).
             dkv = torch.zeros((*k.shape[:-1], d + v.shape[-1]), dtype=accum_dtype(q.dtype), device=q.device)
             blocks_backward(
-                dq, dkv[..., :d], dkv[..., d:], dout, q, *unpack(kv, (k.shape, v.shape)), out, lse, blocks, chunk,
+                dq, dkv[..., :d], dkv[..., d:], dout, q, *unpack(kv, (k.shape, v.shape)), out, lse, blocks, ctx.unit,
                 ctx.scale,
             )
             if grad_pending is not None:
@@ -69,4 +71,4 @@ class RingAttention(torch.autograd.Function):
                 kv = kv_pending.wait()
         if grad_pending is not None:
             dkv = grad_pending.wait()
-        return dq.to(q.dtype), dkv[..., :d].to(k.dtype), dkv[..., d:].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv[..., :d].to(k.dtype), dkv[..., d:].to(v.dtype), None, None, None, None

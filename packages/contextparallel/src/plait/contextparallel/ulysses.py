@@ -1,7 +1,8 @@
 """All-to-all (Ulysses) context parallel: trade sequence shards for head shards and back.
 
 Forward: all-to-all q, k, v from [B, heads, S/cp, D] to [B, heads/cp, S, D] (chunks put back in
-sequence order), one causal attention over the whole sequence on heads/cp heads, all-to-all the
+sequence order), one causal attention over the whole sequence on heads/cp heads (with documents:
+one causal call per document segment, rows with the same segments sharing it), all-to-all the
 output back. Backward mirrors it. Needs the (tensor-parallel local) query heads divisible by cp;
 kv heads that are not are repeated to lcm(kv heads, cp) first (a copy of the local K/V only).
 """
@@ -10,6 +11,7 @@ import math
 
 import torch
 
+from .blockwise import segments_backward, segments_forward
 from .comm import all_to_all
 from .kernels import attention_backward, attention_forward
 from .layout import SequenceLayout
@@ -60,24 +62,32 @@ def kv_repeats(n_kv_heads: int, cp: int) -> int:
 
 class UlyssesAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, layout: SequenceLayout, scale: float):
+    def forward(ctx, q, k, v, group, layout: SequenceLayout, scale: float, segments=None):
         repeats = kv_repeats(k.shape[1], layout.cp)
         if repeats > 1:
             k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
         q_h, k_h, v_h = (seq_to_heads(t, group, layout) for t in (q, k, v))
-        out_h, lse_h = attention_forward(q_h, k_h, v_h, True, scale)
+        # The whole sequence is here: with documents, the one causal square refined per segment.
+        blocks = None if segments is None else segments.plan(range(layout.n_chunks), range(layout.n_chunks), q.shape[2] // 2)
+        if blocks is None:
+            out_h, lse_h = attention_forward(q_h, k_h, v_h, True, scale)
+        else:
+            out_h, lse_h = segments_forward(q_h, k_h, v_h, blocks, scale)
         ctx.save_for_backward(q_h, k_h, v_h, out_h, lse_h)
-        ctx.group, ctx.layout, ctx.scale, ctx.repeats = group, layout, scale, repeats
+        ctx.group, ctx.layout, ctx.scale, ctx.repeats, ctx.blocks = group, layout, scale, repeats, blocks
         return heads_to_seq(out_h, group, layout)
 
     @staticmethod
     def backward(ctx, dout):
         q_h, k_h, v_h, out_h, lse_h = ctx.saved_tensors
         dout_h = seq_to_heads(dout.contiguous(), ctx.group, ctx.layout)
-        dq_h, dk_h, dv_h = attention_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, True, ctx.scale)
+        if ctx.blocks is None:
+            dq_h, dk_h, dv_h = attention_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, True, ctx.scale)
+        else:
+            dq_h, dk_h, dv_h = segments_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, ctx.blocks, ctx.scale)
         dq, dk, dv = (heads_to_seq(t, ctx.group, ctx.layout) for t in (dq_h, dk_h, dv_h))
         if ctx.repeats > 1:
             B, G, L, _ = dk.shape
             dk = dk.view(B, G // ctx.repeats, ctx.repeats, L, -1).sum(2)
             dv = dv.view(B, G // ctx.repeats, ctx.repeats, L, -1).sum(2)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
