@@ -4,13 +4,18 @@ Every method (allgather, ring, ulysses), with and without load balancing, for GQ
 over 2 kv heads: Ulysses at cp 4 repeats kv heads) and MLA head dims (q/k 24, v 16): each rank's
 output rows and its q/k/v gradients equal those of fp64 attention over the whole sequence
 (fp32 within 1e-5; bf16 within bf16 tolerance). One spawn per world size runs every case.
+
+The defining test of document masking rides in the same spawns: packed rows (B=2, differently
+segmented; a row starting mid-document, documents of 1 token, exactly a chunk, longer than a rank's
+share) through every method, output and q/k/v gradients equal to each document alone through plain
+causal F.scaled_dot_product_attention (fp32, GQA with H != G, MLA-like Dv < Dqk).
 """
 
 import itertools
 
 import pytest
 import torch
-from cp_reference import random_qkv, reference_with_grads
+from cp_reference import document_reference_with_grads, packed_rows, random_qkv, reference_with_grads
 
 from plait.contextparallel import ContextParallelAttention, SequenceLayout, shard_sequence
 from plait.mesh import ParallelDims, build_meshes
@@ -21,30 +26,37 @@ METHODS = ("allgather", "ring", "ulysses")
 
 
 def _cases(world_size):
-    cases = [(m, lb, s, torch.float32) for m, lb, s in itertools.product(METHODS, (True, False), SHAPES)]
+    cases = [(m, lb, s, torch.float32, False) for m, lb, s in itertools.product(METHODS, (True, False), SHAPES)]
     if world_size == 2:
-        cases += [(m, True, "gqa", torch.bfloat16) for m in METHODS]
+        cases += [(m, True, "gqa", torch.bfloat16, False) for m in METHODS]
+    # Document masking: every method, both head shapes, head-tail and contiguous.
+    cases += [(m, True, s, torch.float32, True) for m, s in itertools.product(METHODS, SHAPES)]
+    cases += [(m, False, "gqa", torch.float32, True) for m in METHODS]
     return cases
 
 
 def _errors(rank, world_size):
     meshes = build_meshes(ParallelDims(dp_shard=1, cp=world_size, world_size=world_size))
     errors = {}
-    for method, load_balance, shape, dtype in _cases(world_size):
+    for method, load_balance, shape, dtype, documents in _cases(world_size):
         H, G, dqk, dv = SHAPES[shape]
         layout = SequenceLayout(world_size, load_balance)
         S = 2 * world_size * 8
         q, k, v, dout = random_qkv(2, H, G, S, dqk, dv, dtype=dtype, seed=len(errors))
-        ref = reference_with_grads(q, k, v, dout, scale=0.2)
+        positions, lengths = packed_rows(8, world_size) if documents else (None, None)
+        if documents:
+            ref = document_reference_with_grads(q, k, v, dout, lengths, scale=0.2)
+        else:
+            ref = reference_with_grads(q, k, v, dout, scale=0.2)
         # Local shards, laid out as the models pass them (transposed [B, S, H, D] views).
         local = [shard_sequence(t, 2, rank, layout).transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
         local = [t.requires_grad_() for t in local]
         attention = ContextParallelAttention(meshes.cp, method, layout, scale=0.2)
-        out = attention(*local)
+        out = attention(*local, positions)  # the full rows' document positions, or None (causal)
         out.backward(shard_sequence(dout, 2, rank, layout))
         got = [out.detach(), *(t.grad for t in local)]
         assert all(g.dtype == dtype for g in got)
-        errors[(method, load_balance, shape, str(dtype))] = [
+        errors[(method, load_balance, shape, str(dtype), documents)] = [
             (g.double() - shard_sequence(r, 2, rank, layout)).abs().max().item() for g, r in zip(got, ref)
         ]
     return errors
@@ -54,6 +66,7 @@ def _errors(rank, world_size):
 def test_context_parallel_attention_matches_full_attention(world_size):
     results = run_on_ranks(_errors, world_size, timeout=180)
     for errors in results:
-        for (method, load_balance, shape, dtype), errs in errors.items():
-            tol = 1e-5 if dtype == "torch.float32" else 5e-2
-            assert max(errs) < tol, (method, load_balance, shape, dtype, errs)
+        assert sum(case[-1] for case in errors) == 9  # the document cases ran
+        for case, errs in errors.items():
+            tol = 1e-5 if case[3] == "torch.float32" else 5e-2
+            assert max(errs) < tol, (case, errs)

@@ -191,3 +191,14 @@ def test_attention_work_by_hand():
     assert imbalance([30, 27]) == pytest.approx(30 / 28.5)
     with pytest.raises(ValueError, match="sum to 7"):
         attention_work(SequenceLayout(2, True), [[3, 4]], 8)
+
+
+def test_token_offset_slices_reach_the_kernels_aligned():
+    """Document calls slice at token offsets: a slice whose pointer is not 16-byte aligned (bf16 with
+    head dim 20: 40 bytes a token) is copied densely; an aligned one is passed as it is."""
+    from plait.contextparallel.kernels import aligned
+
+    k = torch.randn(1, 2, 10, 20).to(torch.bfloat16)
+    odd = k[:, :, 1:4]
+    assert odd.data_ptr() % 16 and aligned(odd).data_ptr() % 16 == 0 and torch.equal(aligned(odd), odd)
+    assert aligned(k[:, :, 2:4]).data_ptr() == k[:, :, 2:4].data_ptr()

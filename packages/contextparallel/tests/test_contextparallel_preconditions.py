@@ -6,13 +6,16 @@
    stride 1. CPU kernels honour any strides, so only this check sees a violation.
 2. No host syncs in any step, the first included (it builds the layout's chunk-order indices, once
    per device, from arange on the device): no tensor from Python data, nothing read back.
+   With document masking: exactly one (declared) host read of the rows' segments in the first step
+   of a document_positions tensor, none after; rows of one document each make exactly the causal
+   kernel calls.
 Both are also checked by the repository's StepSentinel (plait.mesh.sentinel) when it is present.
 """
 
 import itertools
 
 import torch
-from cp_reference import random_qkv, reference_with_grads
+from cp_reference import document_reference_with_grads, packed_rows, positions_from_lengths, random_qkv, reference_with_grads
 from cp_sentinels import HostDataCounter, KernelInputCheck
 
 from plait.contextparallel import ContextParallelAttention, SequenceLayout, layout, shard_sequence
@@ -22,10 +25,23 @@ from plait.mesh import ParallelDims, build_meshes
 from plait.mesh.testing import run_on_ranks
 
 SHAPES = {"gqa": (4, 2, 16, 16), "mqa": (4, 1, 16, 16), "mla": (4, 4, 24, 16)}  # (H, G, Dqk, Dv)
-CASES = [
-    (method, lb, shape, torch.float32)
-    for method, lb, shape in itertools.product(("allgather", "ring", "ulysses"), (True, False), SHAPES)
-] + [(method, True, "gqa", torch.bfloat16) for method in ("allgather", "ring", "ulysses")]
+METHODS = ("allgather", "ring", "ulysses")
+# documents: None (causal), "packed" (packed_rows), "one_per_row" (one document per row, mid-document starts)
+CASES = (
+    [(method, lb, shape, torch.float32, None) for method, lb, shape in itertools.product(METHODS, (True, False), SHAPES)]
+    + [(method, True, "gqa", torch.bfloat16, None) for method in METHODS]
+    + [(method, True, shape, torch.float32, "packed") for method, shape in itertools.product(METHODS, ("mqa", "mla"))]
+    + [(method, True, "gqa", torch.bfloat16, "packed") for method in METHODS]
+    + [(method, True, "gqa", torch.float32, "one_per_row") for method in METHODS]
+)
+
+
+def _positions(documents, world_size):
+    S = 2 * world_size * 8
+    if documents == "packed":
+        return packed_rows(8, world_size)
+    lengths = [[S], [S]]
+    return torch.stack([positions_from_lengths([S], first_offset=5), positions_from_lengths([S])]), lengths
 
 
 def _sentinel_class():
@@ -37,10 +53,10 @@ def _sentinel_class():
     return StepSentinel
 
 
-def _step(attention, local, dout):
+def _step(attention, local, dout, positions=None):
     for t in local:
         t.grad = None
-    out = attention(*local)
+    out = attention(*local, positions)
     out.backward(dout)
     return out
 
@@ -49,11 +65,15 @@ def _watch(rank, world_size):
     meshes = build_meshes(ParallelDims(dp_shard=1, cp=world_size, world_size=world_size))
     sentinel_cls = _sentinel_class()
     report = {}
-    for n, (method, load_balance, shape, dtype) in enumerate(CASES):
+    for n, (method, load_balance, shape, dtype, documents) in enumerate(CASES):
         H, G, dqk, dv = SHAPES[shape]
         cp_layout = SequenceLayout(world_size, load_balance)
         q, k, v, dout = random_qkv(2, H, G, 2 * world_size * 8, dqk, dv, dtype=dtype, seed=n)
-        ref = reference_with_grads(q, k, v, dout, scale=0.25)
+        positions, lengths = _positions(documents, world_size) if documents else (None, None)
+        if documents:
+            ref = document_reference_with_grads(q, k, v, dout, lengths, scale=0.25)
+        else:
+            ref = reference_with_grads(q, k, v, dout, scale=0.25)
         # As the models pass them: transposed views of [B, S, heads, D] projections.
         local = [shard_sequence(t, 2, rank, cp_layout).transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
         local = [t.requires_grad_() for t in local]
@@ -64,19 +84,20 @@ def _watch(rank, world_size):
         for _ in range(2):
             check, host = KernelInputCheck(), HostDataCounter()
             with check, host:
-                out = _step(attention, local, dout_r)
+                out = _step(attention, local, dout_r, positions)
             steps.append((check.forward_calls, check.backward_calls, check.problems, host.calls))
         sentinel = None
         if sentinel_cls is not None:  # the repository's sentinel, over two more steps from a cold cache
             layout._order_indices.cache_clear()
+            fresh = None if positions is None else positions.clone()  # its segments not read yet
             s = sentinel_cls(torch.device("cpu"))
             for _ in range(2):
                 with s:
-                    _step(attention, local, dout_r)
+                    _step(attention, local, dout_r, fresh)
             sentinel = (s.step_counts(), [tuple(r) for r in s.host_syncs], [tuple(r) for r in s.violations])
         got = [out.detach(), *(t.grad for t in local)]
         err = max((g.double() - shard_sequence(r, 2, rank, cp_layout)).abs().max().item() for g, r in zip(got, ref))
-        report[(method, load_balance, shape, str(dtype))] = (steps, err, sentinel)
+        report[(method, load_balance, shape, str(dtype), documents)] = (steps, err, sentinel)
     return report
 
 
@@ -87,12 +108,25 @@ def test_kernel_inputs_meet_cuda_preconditions_and_steps_do_not_sync():
             for fwd, bwd, problems, _host in steps:
                 assert fwd > 0 and bwd > 0, case  # the mode saw the kernels
                 assert problems == [], (case, problems)
-            # Not even the first step, which builds the chunk-order indices (on the device, from arange).
-            assert [host for *_, host in steps] == [[], []], (case, steps)
+            host = [[c.split(" at ")[0] + (" documents.py" if "documents.py" in c else "") for c in h] for *_, h in steps]
+            if case[4] is None:
+                # Not even the first step, which builds the chunk-order indices (on the device, from arange).
+                assert host == [[], []], (case, steps)
+            else:  # the one declared read of the rows' segments, cached on the tensor for the next step
+                assert host == [["nonzero documents.py"], []], (case, steps)
             if sentinel is not None:
                 counts, syncs, violations = sentinel
-                assert violations == [] and syncs == [], (case, syncs, violations)
-                assert counts == [(0, 0), (0, 0)], (case, counts)
+                assert violations == [], (case, violations)
+                if case[4] is None:
+                    assert syncs == [] and counts == [(0, 0), (0, 0)], (case, syncs, counts)
+                else:
+                    assert counts[1] == (0, 0) and counts[0][1] == 0 and counts[0][0] >= 1, (case, counts)
+                    assert all("declared:" in str(r) for r in syncs), (case, syncs)
+        # One document per row is causal attention: the very same kernel calls as document_positions=None.
+        for method in METHODS:
+            causal = [(f, b) for f, b, *_ in rank_report[(method, True, "gqa", "torch.float32", None)][0]]
+            one_doc = [(f, b) for f, b, *_ in rank_report[(method, True, "gqa", "torch.float32", "one_per_row")][0]]
+            assert causal == one_doc, (method, causal, one_doc)
 
 
 def test_checks_see_what_the_cuda_kernels_would_break():

@@ -16,11 +16,13 @@ INFO = {"attention_modules": ["layers.0.attention.sdpa"], "attention_heads": {"n
         (INFO, 4, 2048, ContextParallelConfig("ulysses"), 8, r"16 attention heads over tp x cp = 32"),
         ({"attention_modules": []}, 2, 64, ContextParallelConfig(), 1, r"needs the attention contract"),
         ({"attention_modules": ["a.sdpa"]}, 2, 64, ContextParallelConfig("ulysses"), 1, r"needs the model's head count"),
+        (INFO, 2, 64, ContextParallelConfig("ring"), 1, r"model.attention_mask = 'sliding': .* set model.attention_mask"),
     ],
 )
 def test_bad_settings_name_the_fix(info, cp, seq_len, config, tp, match):
+    mask = "sliding" if "attention_mask" in match else "causal"
     with pytest.raises(ParallelConfigError, match=match) as err:
-        validate_context_parallel(info, cp, seq_len, config, tp=tp)
+        validate_context_parallel(info, cp, seq_len, config, tp=tp, attention_mask=mask)
     assert "\n" not in str(err.value)
 
 
@@ -28,3 +30,5 @@ def test_good_settings_pass():
     for method in ("allgather", "ring", "ulysses"):
         validate_context_parallel(INFO, 4, 2048, ContextParallelConfig(method), tp=4)
         validate_context_parallel(INFO, 2, 64, ContextParallelConfig(method, load_balance=False), tp=1)
+        # Document masking needs nothing more of any method.
+        validate_context_parallel(INFO, 4, 2048, ContextParallelConfig(method), tp=4, attention_mask="document")

@@ -79,7 +79,8 @@ def document_segments(document_positions_BS: torch.Tensor) -> DocumentSegments:
         raise ValueError(f"document_positions must be [B, S], got shape {tuple(document_positions_BS.shape)}")
     B, S = document_positions_BS.shape
     with declared_sync("document masking: the rows' segments, read once per micro-batch"):
-        starts = torch.nonzero(document_positions_BS[:, 1:] == 0).tolist()
+        # One copy to the host (the sync on CUDA); the rest runs on host memory.
+        starts = torch.nonzero(document_positions_BS.cpu()[:, 1:] == 0).tolist()
     rows: list[list[int]] = [[0] for _ in range(B)]
     for b, i in starts:
         rows[b].append(i + 1)
