@@ -15,7 +15,13 @@ Both are also checked by the repository's StepSentinel (plait.mesh.sentinel) whe
 import itertools
 
 import torch
-from cp_reference import document_reference_with_grads, packed_rows, positions_from_lengths, random_qkv, reference_with_grads
+from cp_reference import (
+    document_reference_with_grads,
+    packed_rows,
+    positions_from_lengths,
+    random_qkv,
+    reference_with_grads,
+)
 from cp_sentinels import HostDataCounter, KernelInputCheck
 
 from plait.contextparallel import ContextParallelAttention, SequenceLayout, layout, shard_sequence
