@@ -202,3 +202,14 @@ def test_token_offset_slices_reach_the_kernels_aligned():
     odd = k[:, :, 1:4]
     assert odd.data_ptr() % 16 and aligned(odd).data_ptr() % 16 == 0 and torch.equal(aligned(odd), odd)
     assert aligned(k[:, :, 2:4]).data_ptr() == k[:, :, 2:4].data_ptr()
+
+
+def test_document_positions_must_be_the_full_rows():
+    """Shards' positions (or another batch) instead of the full rows fail before any collective."""
+    from plait.contextparallel import ContextParallelAttention
+
+    attention = ContextParallelAttention(None, "ring", SequenceLayout(2), scale=0.2)  # no mesh reached
+    q = torch.randn(2, 4, 8, 16)  # this rank's 8 of 16 tokens
+    shard_positions = torch.stack([positions_from_lengths([3, 5])] * 2)
+    with pytest.raises(ValueError, match=r"document_positions \[2, 8\] must be the full rows \[2, 16\]"):
+        attention(q, q[:, :2], q[:, :2], shard_positions)
