@@ -114,6 +114,16 @@ def test_resume_mid_document_continues_the_positions(corpus, kind):
         assert torch.equal(torch.cat([g[1] for g in got], dim=1), p), (kind, degree)
 
 
+def test_positions_of_a_range_from_the_layout():
+    from plait.trainer.data.stream import document_positions
+
+    # Documents [-3, 2), [2, 2) (empty), [2, 6), [6, 20) relative to the next token.
+    spans = [(0, None, -3, 2), (1, None, 2, 2), (2, None, 2, 6), (3, None, 6, 20)]
+    assert document_positions(spans, 0, 9).tolist() == [3, 4, 0, 1, 2, 3, 0, 1, 2]
+    assert document_positions(spans, 4, 8).tolist() == [2, 3, 0, 1]  # a rank's rows from mid-stream
+    assert document_positions(spans, 7, 8).dtype == np.int32
+
+
 def _data_imports() -> dict[str, set[str]]:
     """Module -> the modules of plait.trainer.data it imports, anywhere in it (function-level
     imports included: a cycle hidden in a function is still a cycle)."""

@@ -211,7 +211,8 @@ class IndexedTokenStream(SharedTokenStream):
 def document_positions(spans: list[tuple[int, Document, int, int]], lo: int, hi: int) -> np.ndarray:
     """Each token of [lo, hi)'s offset inside its document (int32). `spans` (index, document,
     start, end) tile the range in the same coordinates: one arange over the range, shifted back
-    by each token's document start (repeated per document, no loop over tokens)."""
-    bounds = np.array([(s, e) for _, _, s, e in spans if s < hi and e > lo], np.int64).reshape(-1, 2)
-    counts = np.minimum(bounds[:, 1], hi) - np.maximum(bounds[:, 0], lo)
-    return (np.arange(lo, hi, dtype=np.int64) - np.repeat(bounds[:, 0], counts)).astype(np.int32)
+    by each token's document start (repeated per document, no loop over tokens). Counted from
+    `lo`, everything fits int32 (a rank's rows of one step; a document's length)."""
+    bounds = np.array([(s, e) for _, _, s, e in spans if s < hi and e > lo], np.int64).reshape(-1, 2) - lo
+    counts = np.minimum(bounds[:, 1], hi - lo) - np.maximum(bounds[:, 0], 0)
+    return np.arange(hi - lo, dtype=np.int32) - np.repeat(bounds[:, 0].astype(np.int32), counts)
