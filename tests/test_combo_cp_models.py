@@ -9,6 +9,12 @@ and Ulysses without load balancing; TP 2 x CP 2 ring with sequence parallel and 
 DeepSeek-V3 debug (MLA: q/k head dim 192, v 128; one dense and one MoE block): CP 2 Ulysses.
 Every batch has ignored labels (-100): the loss is the sum over valid tokens divided by their
 global count, as the trainer computes it. One spawn per world size runs its layouts in turn.
+
+Document masking (issue 22): packed rows whose documents include a 1-token one, one exactly a
+chunk long, one longer than a cp rank's share and a row that starts mid-document, with per-document
+RoPE positions; every CP method at 2 and 4 ranks, both models, AC, accumulation and compile, against
+the one-process document-masked run (which equals each document run alone:
+packages/models/tests/test_documents.py).
 """
 
 import dataclasses
@@ -48,6 +54,10 @@ class Layout:
     accumulation: int = 1
     checkpoint: str = "none"
     compile: bool = False
+    documents: bool = False
+
+
+CP2, CP4 = dict(cp=2, dp_shard=1), dict(cp=4, dp_shard=1)
 
 
 LAYOUTS_2 = {
@@ -56,12 +66,20 @@ LAYOUTS_2 = {
         "llama3", dict(cp=2, dp_shard=1), "ring", checkpoint="selective", compile=True
     ),
     "deepseek_cp2_ulysses": Layout("deepseek_v3", dict(cp=2, dp_shard=1), "ulysses"),
+    "llama_cp2_ring_documents_selective_ac_compile": Layout(
+        "llama3", CP2, "ring", checkpoint="selective", compile=True, documents=True
+    ),
+    "llama_cp2_ulysses_documents_accum2": Layout("llama3", CP2, "ulysses", accumulation=2, documents=True),
+    "deepseek_cp2_allgather_documents_full_ac": Layout("deepseek_v3", CP2, checkpoint="full", documents=True),
 }
 LAYOUTS_4 = {
     "llama_cp4_ring": Layout("llama3", dict(cp=4, dp_shard=1), "ring"),
     "llama_cp4_ulysses_contiguous": Layout("llama3", dict(cp=4, dp_shard=1), "ulysses", load_balance=False),
     "llama_tp2_cp2_sp": Layout("llama3", dict(cp=2, tp=2, dp_shard=1), "ring"),
     "llama_tp2_cp2": Layout("llama3", dict(cp=2, tp=2, dp_shard=1), "ulysses", sequence_parallel=False),
+    "llama_cp4_allgather_documents": Layout("llama3", CP4, documents=True),
+    "deepseek_cp4_ring_documents": Layout("deepseek_v3", CP4, "ring", documents=True),
+    "deepseek_cp4_ulysses_documents": Layout("deepseek_v3", CP4, "ulysses", documents=True),
 }
 
 
@@ -69,29 +87,49 @@ def _module(name):
     return llama3 if name == "llama3" else deepseek_v3
 
 
-def _args(name):
+def _args(name, documents=False):
+    mask = dict(attention_mask="document", rope_positions="document") if documents else {}
     if name == "llama3":
-        return dataclasses.replace(llama3.FLAVORS["debugmodel"], n_layers=2, max_seq_len=SEQ)
-    return dataclasses.replace(deepseek_v3.FLAVORS["debugmodel"], n_layers=2, n_dense_layers=1, max_seq_len=SEQ)
+        return dataclasses.replace(llama3.FLAVORS["debugmodel"], n_layers=2, max_seq_len=SEQ, **mask)
+    return dataclasses.replace(
+        deepseek_v3.FLAVORS["debugmodel"], n_layers=2, n_dense_layers=1, max_seq_len=SEQ, **mask
+    )
 
 
-def _seed_model(name):
+def _seed_model(name, documents=False):
     with torch.device("meta"):
-        model = _module(name).Transformer(_args(name))
+        model = _module(name).Transformer(_args(name, documents))
     model.to_empty(device="cpu")
     torch.manual_seed(0)
     model.init_weights(buffer_device="cpu")
     return model
 
 
+# Document lengths per row (SEQ 64; cp 4: a chunk is 8 tokens, a rank's share 16): a row that
+# starts mid-document (offset 3), a 1-token document, exactly a chunk (8), one longer than a cp 4
+# rank's share (20) and longer than a cp 2 rank's (33); rows differ so they cannot share calls.
+ROWS = [(5, 1, 8, 20, 30), (33, 1, 30), (8, 8, 8, 8, 1, 31), (64,)]
+FIRST_OFFSET = (3, 0, 0, 0)
+
+
+def _document_positions():
+    rows = []
+    for lengths, offset in zip(ROWS, FIRST_OFFSET):
+        pieces = [torch.arange(n) for n in lengths]
+        pieces[0] = pieces[0] + offset
+        rows.append(torch.cat(pieces))
+    return torch.stack(rows).int()
+
+
 def _batches(name):
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, _args(name).vocab_size, (STEPS, BATCH, SEQ + 1), generator=g)
     batches = []
-    for t in tokens:
+    for step, t in enumerate(tokens):
         labels = t[:, 1:].clone()
         labels[torch.rand(labels.shape, generator=g) < 0.15] = -100  # ignored labels
-        batches.append((t[:, :-1], labels))
+        documents = _document_positions().roll(step, dims=0)  # each row meets every segmentation
+        batches.append((t[:, :-1], labels, documents))
     return batches
 
 
@@ -103,18 +141,26 @@ def _train(name, model, layout: Layout | None = None, meshes=None, cp_layout=Non
     accumulation = layout.accumulation if layout else 1
     per = BATCH // dp
     losses = []
-    for tokens, labels in _batches(name):
+    documents = layout.documents if layout else model_documents(model)
+    for tokens, labels, doc_positions in _batches(name):
         count = (labels != -100).sum()
-        tokens, labels = tokens[dp_rank * per:(dp_rank + 1) * per], labels[dp_rank * per:(dp_rank + 1) * per]
+        rows = slice(dp_rank * per, (dp_rank + 1) * per)
+        tokens, labels, doc_positions = tokens[rows], labels[rows], doc_positions[rows]
         positions = None
         if cp_layout is not None:
             cp_rank = meshes.cp.get_local_rank()
             positions = cp_layout.local_indices(cp_rank, SEQ)
+            if documents:  # per-document RoPE positions, sharded like the tokens
+                positions = shard_sequence(doc_positions, 1, cp_rank, cp_layout)
             tokens, labels = shard_sequence(tokens, 1, cp_rank, cp_layout), shard_sequence(labels, 1, cp_rank, cp_layout)
         step_loss = torch.zeros(())
-        for toks, labs in zip(tokens.chunk(accumulation), labels.chunk(accumulation)):
+        micro = zip(tokens.chunk(accumulation), labels.chunk(accumulation), doc_positions.chunk(accumulation),
+                    positions.chunk(accumulation) if positions is not None and positions.dim() == 2
+                    else [positions] * accumulation)
+        for toks, labs, docs, pos in micro:
             with loss_parallel_context(lp):
-                logits = model(toks, positions)
+                # Attention takes the full rows' document positions (unsharded) under CP too.
+                logits = model(toks, pos, docs) if documents else model(toks, pos)
                 loss = F.cross_entropy(logits.float().flatten(0, 1), labs.flatten(), ignore_index=-100, reduction="sum")
                 (loss * ranks / count).backward()
             loss = loss.detach()
@@ -128,6 +174,10 @@ def _train(name, model, layout: Layout | None = None, meshes=None, cp_layout=Non
     return losses
 
 
+def model_documents(model) -> bool:
+    return getattr(model.args, "attention_mask", "causal") == "document"
+
+
 def _full(model):
     return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in model.state_dict().items()}
 
@@ -135,7 +185,7 @@ def _full(model):
 def _run_one(rank, world_size, layout: Layout):
     dims = ParallelDims(world_size=world_size, **layout.degrees)
     with torch.device("meta"):
-        model = _module(layout.model).Transformer(_args(layout.model))
+        model = _module(layout.model).Transformer(_args(layout.model, layout.documents))
     info = model.parallel_info()
     cp_config = ContextParallelConfig(layout.method, layout.load_balance)
     validate_context_parallel(info, dims.cp, SEQ, cp_config, dims.tp)
@@ -153,7 +203,8 @@ def _run_one(rank, world_size, layout: Layout):
     model = apply_data_parallel(model, meshes, info["blocks"], DataParallelConfig())
     model.to_empty(device="cpu")
     model.init_weights(buffer_device="cpu")
-    set_model_state_dict(model, _seed_model(layout.model).state_dict(), options=StateDictOptions(full_state_dict=True))
+    seed = _seed_model(layout.model, layout.documents).state_dict()
+    set_model_state_dict(model, seed, options=StateDictOptions(full_state_dict=True))
     losses = _train(layout.model, model, layout, meshes, cp_layout, lp)
     params = _full(model)  # a collective: every rank gathers
     return dict(losses=losses, params=params if rank == 0 else None)
@@ -168,18 +219,19 @@ def _run_layouts(rank, world_size, layouts):
 def references():
     out = {}
     for name in ("llama3", "deepseek_v3"):
-        model = _seed_model(name)
-        out[name] = dict(losses=_train(name, model), params=_full(model))
+        for documents in (False, True):
+            model = _seed_model(name, documents)
+            out[name, documents] = dict(losses=_train(name, model), params=_full(model))
     return out
 
 
 def _check(results, references, layouts):
     for rank_result in results:
         for name, layout in layouts.items():
-            got, ref = rank_result[name]["losses"], references[layout.model]["losses"]
+            got, ref = rank_result[name]["losses"], references[layout.model, layout.documents]["losses"]
             assert got == pytest.approx(ref, abs=1e-5, rel=0), name
     for name, layout in layouts.items():
-        ref, got = references[layout.model]["params"], results[0][name]["params"]
+        ref, got = references[layout.model, layout.documents]["params"], results[0][name]["params"]
         assert set(got) == set(ref)
         for key in ref:
             torch.testing.assert_close(got[key], ref[key], atol=1e-5, rtol=1e-4, msg=f"{name} {key}")

@@ -21,7 +21,7 @@ BF16. A bf16 entry is compared with the reference that uses the same precision p
 runs autocast (fp32 weights and residual stream, bf16 matmuls), and so do layouts without a
 sharding policy (TP / CP-free TP alone); FSDP, HSDP and the FSDP-based replicate use FSDP's policy
 (bf16 parameters and activations, fp32 gradient reduction), whose reference is the "FSDP 2" bf16
-entry; that entry is compared with the one-rank autocast run at the cross-policy tolerance. The
+entry ("FSDP 2, document mask" for the document-masked entries); that entry is compared with the one-rank autocast run at the cross-policy tolerance. The
 tolerance is derived from bf16 itself, measured in the same session: the one-rank bf16 run is
 repeated with gradient accumulation 2 (the same math, summed in another order), and the largest
 per-step difference between the two is the bf16 noise floor of this model over these steps; it
@@ -128,6 +128,8 @@ class Layout:
 
 DEEPSEEK = ("deepseek_v3",)
 CP1 = {"dp_shard": 1}
+# Packed documents that never attend to each other, RoPE restarting per document (issue 22).
+DOCS = {"attention_mask": "document", "rope_positions": "document"}
 # fmt: off
 LAYOUTS = [
     # 2 ranks
@@ -151,12 +153,22 @@ LAYOUTS = [
     Layout("CP 2 ring x EP 2", 2, {"cp": 2, **CP1, "ep": 2, "cp_method": "ring"}, models=DEEPSEEK),
     Layout("TP 2 x EP 2 (etp 1) capacity, no SP", 2,
            {"tp": 2, "ep": 2, "sequence_parallel": False, "expert_capacity_factor": 8}, models=DEEPSEEK),
+    Layout("FSDP 2, document mask", 2, model_args=DOCS),
+    Layout("CP 2 all-gather, document mask", 2, {"cp": 2, **CP1, "cp_method": "allgather"}, model_args=DOCS),
+    Layout("CP 2 ring, document mask", 2, {"cp": 2, **CP1, "cp_method": "ring"}, model_args=DOCS),
+    Layout("CP 2 Ulysses, document mask", 2, {"cp": 2, **CP1, "cp_method": "ulysses"}, model_args=DOCS),
+    Layout("CP 2 ring x EP 2, document mask", 2, {"cp": 2, **CP1, "ep": 2, "cp_method": "ring"},
+           models=DEEPSEEK, model_args=DOCS),
     # 4 ranks
     Layout("FSDP 4", 4),
     Layout("HSDP 2x2", 4, {"dp_replicate": 2}),
     Layout("FSDP 2 x TP 2", 4, {"tp": 2}),
     Layout("FSDP 2 x CP 2 ring", 4, {"cp": 2, "cp_method": "ring"}),
     Layout("TP 2 x CP 2 all-gather", 4, {"tp": 2, "cp": 2, **CP1}),
+    Layout("FSDP 2 x CP 2 ring, document mask, full AC, accumulation 2", 4, {"cp": 2, "cp_method": "ring"},
+           {"activation_checkpoint": "full", "gradient_accumulation_steps": 2}, model_args=DOCS),
+    Layout("TP 2 x CP 2 Ulysses, document mask", 4, {"tp": 2, "cp": 2, **CP1, "cp_method": "ulysses"},
+           model_args=DOCS),
     Layout("EP 4", 4, {"ep": 4}, models=DEEPSEEK),
     Layout("FSDP 4 x EP 2 (expert FSDP 2)", 4, {"ep": 2}, models=DEEPSEEK),
     Layout("HSDP 2x2 x EP 2", 4, {"dp_replicate": 2, "ep": 2}, models=DEEPSEEK),
@@ -179,7 +191,17 @@ ENTRIES = [
     for dtype in DTYPES
     if dtype == "float32" or layout.bf16
 ]
-ANCHOR = next(layout for layout in LAYOUTS if layout.name == "FSDP 2")  # the FSDP-policy bf16 reference
+# The FSDP-policy bf16 references, one per set of model arguments the fsdp-policy entries use.
+ANCHORS = {
+    tuple(sorted(layout.model_args.items())): layout
+    for layout in LAYOUTS if layout.name in ("FSDP 2", "FSDP 2, document mask")
+}
+
+
+def _anchor(layout: Layout) -> Layout:
+    key = tuple(sorted(layout.model_args.items()))
+    assert key in ANCHORS, f"{layout.name}: no FSDP-policy anchor runs with model arguments {layout.model_args}"
+    return ANCHORS[key]
 
 
 def _key(layout: Layout, model: str, dtype: str) -> str:
@@ -194,9 +216,8 @@ def _test_id(layout: Layout, model: str, dtype: str) -> str:
 
 def _reference_key(layout: Layout, model: str, dtype: str) -> str:
     """The run an entry is compared with (see BF16 in the module docstring)."""
-    if dtype == "bfloat16" and layout.policy() == "fsdp" and layout is not ANCHOR:
-        assert not layout.model_args, f"{layout.name}: the FSDP-policy anchor runs without model arguments"
-        return _key(ANCHOR, model, dtype)
+    if dtype == "bfloat16" and layout.policy() == "fsdp" and layout not in ANCHORS.values():
+        return _key(_anchor(layout), model, dtype)
     return _one_rank_key(model, dtype, layout.model_args)
 
 
@@ -338,7 +359,7 @@ def _needed(selected: list[tuple]) -> list[tuple]:
     needed = {_key(*entry) for entry in selected}
     for layout, model, dtype in selected:
         if dtype == "bfloat16" and layout.policy() == "fsdp":
-            needed.add(_key(ANCHOR, model, dtype))
+            needed.add(_key(_anchor(layout), model, dtype))
     return [entry for entry in ENTRIES if _key(*entry) in needed]
 
 
@@ -440,7 +461,7 @@ def test_layout_matches_its_reference(layout, model, dtype, runs, report):
         tolerance, norm_tol, param_tol = layout.tolerance, GRAD_NORM_RTOL, PARAM_GRAD_RTOL
     else:
         floor = _bf16_floor_values(runs, layout, model)
-        factor = CROSS_POLICY_FACTOR if layout is ANCHOR else BF16_FACTOR
+        factor = CROSS_POLICY_FACTOR if layout in ANCHORS.values() else BF16_FACTOR
         tolerance, param_tol = factor * floor["loss"], factor * floor["param_grad"]
         norm_tol = factor * floor["grad_norm"]
     if not loss_diff <= tolerance:

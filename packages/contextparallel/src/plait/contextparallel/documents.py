@@ -23,7 +23,11 @@ from plait.mesh.sentinel import declared_sync
 
 from .layout import Block, plan_blocks
 
-_CACHE_ATTR = "_plait_document_segments"
+_CACHE_ATTR = "_plait_cp_document_segments"
+# Where a caller that read the rows' boundaries on the host already (the trainer, from the loader's
+# CPU tensor; plait.models.documents) leaves them on the tensor, as plain data ((0, ..., S) per
+# row): then nothing is read back from the device at all (docs/contracts.md).
+HOST_BOUNDARIES_ATTR = "_plait_document_segments"
 
 Boundaries = tuple[int, ...]  # one row: (0, s1, ..., S), every segment [b[i], b[i + 1])
 
@@ -78,13 +82,17 @@ def document_segments(document_positions_BS: torch.Tensor) -> DocumentSegments:
     if document_positions_BS.dim() != 2:
         raise ValueError(f"document_positions must be [B, S], got shape {tuple(document_positions_BS.shape)}")
     B, S = document_positions_BS.shape
-    with declared_sync("document masking: the rows' segments, read once per micro-batch"):
-        # One copy to the host (the sync on CUDA); the rest runs on host memory.
-        starts = torch.nonzero(document_positions_BS.cpu()[:, 1:] == 0).tolist()
-    rows: list[list[int]] = [[0] for _ in range(B)]
-    for b, i in starts:
-        rows[b].append(i + 1)
-    segments = DocumentSegments([(*r, S) for r in rows], S)
+    known = getattr(document_positions_BS, HOST_BOUNDARIES_ATTR, None)
+    if known is not None:  # read on the host before the step: nothing comes back from the device
+        segments = DocumentSegments(known, S)
+    else:
+        with declared_sync("document masking: the rows' segments, read once per micro-batch"):
+            # One copy to the host (the sync on CUDA); the rest runs on host memory.
+            starts = torch.nonzero(document_positions_BS.cpu()[:, 1:] == 0).tolist()
+        rows: list[list[int]] = [[0] for _ in range(B)]
+        for b, i in starts:
+            rows[b].append(i + 1)
+        segments = DocumentSegments([(*r, S) for r in rows], S)
     setattr(document_positions_BS, _CACHE_ATTR, (version, segments))
     return segments
 

@@ -26,13 +26,22 @@ def row_segments(document_positions_BS: torch.Tensor) -> tuple[tuple[int, ...], 
         return cached
     B, S = document_positions_BS.shape
     # One host read for the whole batch; index 0 starts a segment whatever its position.
-    starts_N2 = (document_positions_BS[:, 1:] == 0).nonzero().tolist()
+    starts_N2 = (document_positions_BS[:, 1:] == 0).cpu().nonzero().tolist()
     rows: list[list[int]] = [[0] for _ in range(B)]
     for b, s in starts_N2:
         rows[b].append(s + 1)
     segments = tuple((*row, S) for row in rows)
     setattr(document_positions_BS, _CACHE_ATTR, segments)
     return segments
+
+
+def to_device_with_segments(document_positions_BS: torch.Tensor, device) -> torch.Tensor:
+    """The tensor on `device`, carrying the segments read from it on the host: read them while the
+    tensor is still on the CPU (row_segments) and the step never reads them back from the device."""
+    moved = document_positions_BS.to(device, non_blocking=True)
+    if moved is not document_positions_BS:
+        setattr(moved, _CACHE_ATTR, row_segments(document_positions_BS))
+    return moved
 
 
 def check_document_positions(document_positions_BS: torch.Tensor, batch: int, seq_len: int) -> None:

@@ -27,6 +27,10 @@ _AT_LEAST = {
 }
 
 
+# field -> the values it may take (plait.models.documents).
+_CHOICES = {"attention_mask": ("causal", "document"), "rope_positions": ("sequence", "document")}
+
+
 def _range(low: float, inclusive: bool) -> str:
     return f">= {low}" if inclusive else f"> {low}"
 
@@ -40,6 +44,14 @@ def check_model_args(values: dict, where: str) -> None:
             continue
         if not math.isfinite(value) or value < low or (value == low and not inclusive):
             raise ConfigError(f"model.{field} = {value} ({where}): must be {_range(low, inclusive)}.")
+    for field, choices in _CHOICES.items():
+        if field in values and values[field] not in choices:
+            raise ConfigError(f"model.{field} = {values[field]!r} ({where}): use one of {', '.join(map(repr, choices))}.")
+    if values.get("rope_positions") == "document" and values.get("attention_mask", "causal") != "document":
+        # Positions restarting at each document while attention crosses documents puts two tokens at
+        # the same RoPE position in one attention window: no kernel computes anything meaningful.
+        raise ConfigError(f"model.rope_positions = 'document' ({where}) needs model.attention_mask = 'document' "
+                          "(positions restart per document only when attention stops there): set both.")
     pairs = [  # (field, lowest, the field that is its highest)
         ("n_activated_experts", 1, "n_routed_experts"),
         ("n_limited_groups", 1, "n_expert_groups"),

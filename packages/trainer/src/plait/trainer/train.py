@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
 
 from plait.mesh import build_meshes, clip_grad_norm_, destroy_distributed, grad_norm, init_distributed
+from plait.models.documents import row_segments, to_device_with_segments
 
 from . import exit_codes
 from .checkpoint import CheckpointManager
@@ -222,17 +223,49 @@ class Trainer:
 
     # ---- one step ---------------------------------------------------------------------------
 
-    def _local_batch(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor):
-        """(tokens, labels, positions) this rank computes: under context parallel its share of every
-        sequence in the load-balanced order, with the global positions of those tokens."""
+    def _local_batch(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, document_positions_BS=None):
+        """(tokens, labels, RoPE positions, document positions) this rank computes: under context
+        parallel its share of every sequence in the load-balanced order, with the positions of those
+        tokens (global, or per document); the document positions stay whole rows (attention reads
+        every boundary), and only under attention_mask = "document"."""
         inputs_BS = inputs_BS.to(self.device, non_blocking=True)
         labels_BS = labels_BS.to(self.device, non_blocking=True)
+        documents = None
+        if self.plan.model_args.attention_mask == "document":
+            documents = to_device_with_segments(document_positions_BS, self.device)
         layout = self.pm.cp_layout
         if layout is None:
-            return inputs_BS, labels_BS, None
-        from plait.contextparallel import shard_batch
+            return inputs_BS, labels_BS, None, documents
+        from plait.contextparallel import shard_batch, shard_sequence
 
-        return shard_batch(inputs_BS, labels_BS, self.meshes.cp.get_local_rank(), layout)
+        cp_rank = self.meshes.cp.get_local_rank()
+        tokens, labels, positions = shard_batch(inputs_BS, labels_BS, cp_rank, layout)
+        if documents is not None and self.plan.model_args.rope_positions == "document":
+            positions = shard_sequence(documents, 1, cp_rank, layout)
+        return tokens, labels, positions, documents
+
+    def _forward(self, tokens_BS, positions, documents_BS):
+        if documents_BS is None:  # causal: the two-argument call every model takes
+            return self.model(tokens_BS, positions)
+        return self.model(tokens_BS, positions, documents_BS)
+
+    def _read_documents(self, micro_batches) -> None:
+        """Under attention_mask = "document": read each micro-batch's segments on the host from the
+        loader's CPU tensor, before the step (so the step itself never reads them back from the
+        device), and refuse per-document positions past the RoPE tables."""
+        args = self.plan.model_args
+        if args.attention_mask != "document":
+            return
+        for _, _, document_positions_BS in micro_batches:
+            row_segments(document_positions_BS)
+            if args.rope_positions == "document":
+                longest = int(document_positions_BS.max()) + 1
+                if longest > args.max_seq_len:
+                    raise ConfigError(
+                        f"model.rope_positions = 'document': a document reaches {longest} tokens, past "
+                        f"model.max_seq_len = {args.max_seq_len} (the RoPE tables): raise model.max_seq_len "
+                        "or set model.rope_positions = 'sequence'."
+                    )
 
     def _global_token_count(self, labels: list[torch.Tensor]) -> torch.Tensor:
         """Valid labels over every micro-batch and every dp x cp rank (one all-reduce, no host sync)."""
@@ -252,18 +285,17 @@ class Trainer:
         accumulation = len(micro_batches)
         step_loss = torch.zeros((), device=self.device)
         autocast = self.pm.autocast or contextlib.nullcontext()
-        # A micro-batch is (inputs, labels, document_positions); the positions are not used yet.
-        batches = [self._local_batch(inputs_BS, labels_BS) for inputs_BS, labels_BS, *_ in micro_batches]
-        _document_positions = [rest[0] if rest else None for _, _, *rest in micro_batches]
+        # A micro-batch is (inputs, labels, document_positions).
+        batches = [self._local_batch(*micro_batch) for micro_batch in micro_batches]
         # Data parallel averages gradients over the dp x cp ranks; scaling each rank's loss sum by
         # ranks / (valid tokens of the global batch) makes the step's gradient the mean over every
         # valid token, however they are split over ranks, micro-batches and ignored labels.
         ranks = self.meshes.dp_cp.size() if self.meshes.dp_cp is not None else 1
-        scale = ranks / self._global_token_count([labels for _, labels, _ in batches])
-        for inputs_BS, labels_BS, positions in batches:
+        scale = ranks / self._global_token_count([labels for _, labels, _, _ in batches])
+        for inputs_BS, labels_BS, positions, documents_BS in batches:
             with self.loss_context():
                 with autocast:
-                    logits_BSV = self.model(inputs_BS, positions)
+                    logits_BSV = self._forward(inputs_BS, positions, documents_BS)
                     loss = self.loss_fn(logits_BSV, labels_BS) * scale
                     total = loss + self._aux(loss, accumulation) if self.moe and self.moe.aux_enabled else loss
                 total.backward()
@@ -302,10 +334,11 @@ class Trainer:
         autocast = self.pm.autocast or contextlib.nullcontext()
         n = 0
         for micro_batches in loader:
-            for inputs_BS, labels_BS, *_document_positions in micro_batches:  # positions not used yet
-                inputs_BS, labels_BS, positions = self._local_batch(inputs_BS, labels_BS)
+            self._read_documents(micro_batches)
+            for micro_batch in micro_batches:
+                inputs_BS, labels_BS, positions, documents_BS = self._local_batch(*micro_batch)
                 with self.loss_context(), autocast:
-                    loss = cross_entropy_loss(self.model(inputs_BS, positions), labels_BS)
+                    loss = cross_entropy_loss(self._forward(inputs_BS, positions, documents_BS), labels_BS)
                 totals[0] += loss.full_tensor() if isinstance(loss, DTensor) else loss
                 totals[1] += (labels_BS != IGNORE_INDEX).sum()
                 n += 1
@@ -412,6 +445,7 @@ class Trainer:
                         print(f"plait-train: rank {self.rank}: SIGTERM while waiting for data, stopped after "
                               f"step {self.step} (not saved now).", flush=True)
                         break
+                    self._read_documents(micro_batches)
                     data_s = time.perf_counter() - t0
                     lr = self.scheduler.get_last_lr()[0]
                     with self.step_sentinel or contextlib.nullcontext():

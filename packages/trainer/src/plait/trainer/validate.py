@@ -433,7 +433,10 @@ def _validate_tp(tp_module, model: nn.Module, info: dict, dims: ParallelDims, co
 
 def _validate_cp(cp_module, model_args, info: dict, dims: ParallelDims, config: Config) -> None:
     try:
-        cp_module.validate_context_parallel(info, dims.cp, config.training.seq_len, cp_config(cp_module, config), dims.tp)
+        cp_module.validate_context_parallel(
+            info, dims.cp, config.training.seq_len, cp_config(cp_module, config), dims.tp,
+            attention_mask=getattr(model_args, "attention_mask", "causal"),
+        )
     except ValueError as e:
         raise ConfigError(str(e).splitlines()[0]) from None
 
