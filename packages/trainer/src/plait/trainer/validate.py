@@ -177,18 +177,36 @@ def _check_checkpoint(config: Config, world_size: int) -> None:
         raise ConfigError(f"checkpoint.initial_load_path = {c.initial_load_path!r}: no such folder.")
 
 
-def _check_token_folder(config: Config, tokenizer) -> None:
-    """A pre-tokenised folder was written with this run's tokenizer (its meta.json says)."""
+def _check_token_folder(config: Config, tokenizer):
+    """A pre-tokenised folder was written with this run's tokenizer (its meta.json says); its
+    documents (None for other sources)."""
     from plait.trainer.data.sources import TOKENS
 
     if config.data.dataset != TOKENS:
-        return
+        return None
     from plait.trainer.data.token_files import TokenFileDocuments
 
     try:
-        TokenFileDocuments(config.data.dataset_path, tokenizer, config.job.seed, shuffle=False)
+        documents = TokenFileDocuments(config.data.dataset_path, tokenizer, config.job.seed, shuffle=False)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"data.dataset = 'tokens': {e}") from None
+    return documents
+
+
+def _check_document_positions(config: Config, model_args, token_documents) -> None:
+    """Per-document RoPE positions index the RoPE tables by a token's offset in its document: a
+    document longer than max_seq_len has no table row. A pre-tokenised folder knows every length, so
+    it is refused here; other sources are checked batch by batch (the trainer's _read_documents)."""
+    if getattr(model_args, "rope_positions", "sequence") != "document" or token_documents is None:
+        return
+    offsets = token_documents.offsets
+    longest = int((offsets[1:] - offsets[:-1]).max()) if len(offsets) > 1 else 0
+    if longest > model_args.max_seq_len:
+        raise ConfigError(
+            f"model.rope_positions = 'document': {config.data.dataset_path} holds a document of {longest} tokens, "
+            f"past model.max_seq_len = {model_args.max_seq_len} (the RoPE tables): raise model.max_seq_len to "
+            f"{longest} or set model.rope_positions = 'sequence'."
+        )
 
 
 def _check_hf_weights(config: Config, model_args) -> None:
@@ -373,7 +391,7 @@ def validate(config: Config, world_size: int | None = None, check_memory: bool =
         raise ConfigError(f"model.tokenizer_path: tokenizer file not found: {config.model.tokenizer_path}") from None
     except (ValueError, OSError) as e:
         raise ConfigError(f"model.tokenizer_path = {config.model.tokenizer_path!r}: {e}") from None
-    _check_token_folder(config, tokenizer)
+    _check_document_positions(config, model_args, _check_token_folder(config, tokenizer))
     if tokenizer.n_words > model_args.vocab_size:
         raise ConfigError(
             f"the tokenizer has {tokenizer.n_words} tokens but {config.model.name} {config.model.flavor} has "
