@@ -77,23 +77,23 @@ def _random_lengths(rng, S):
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
-@pytest.mark.parametrize("load_balance", [True, False])
-def test_document_plans_compute_exactly_the_visible_pairs(cp, load_balance):
+@pytest.mark.parametrize("load_balance, rounds", [(True, 1), (False, 1), (True, 2), (True, 3)])
+def test_document_plans_compute_exactly_the_visible_pairs(cp, load_balance, rounds):
     """allgather's plan and the ring's per-step plans compute each visible pair once and nothing masked
     (so fully masked blocks are never computed), and their work is the visible pair count."""
     rng, chunk = random.Random(cp), 3
-    layout = SequenceLayout(cp, load_balance)
-    S = 2 * cp * chunk
+    layout = SequenceLayout(cp, load_balance, rounds)
+    S = layout.n_chunks * chunk
     for _ in range(6):
         rows = [_random_lengths(rng, S) for _ in range(3)]
         rows.append(list(rows[-1]))  # rows 2 and 3 alike: their calls are shared
         boundaries = [boundaries_from_lengths(r) for r in rows]
         for rank in range(cp):
             q_chunks = layout.chunks(rank)
-            gathered = plan_document_blocks(q_chunks, range(2 * cp), chunk, boundaries)
+            gathered = plan_document_blocks(q_chunks, range(layout.n_chunks), chunk, boundaries)
             ring = [(layout.chunks(src), plan_document_blocks(q_chunks, layout.chunks(src), chunk, boundaries))
                     for src in range(cp)]  # fmt: skip
-            for pieces in ([(range(2 * cp), gathered)], ring):
+            for pieces in ([(range(layout.n_chunks), gathered)], ring):
                 computed, visible = [], set()
                 for kv_chunks, blocks in pieces:
                     computed += _pairs(blocks, q_chunks, kv_chunks, chunk, len(rows))
@@ -125,7 +125,7 @@ def _simulate(method, q, k, v, dout, layout, positions, scale):
     cp, chunk = layout.cp, q.shape[2] // layout.n_chunks
     segments = document_segments(positions)
     if method == "ulysses":  # every rank holds the whole sequence for its heads: one rank's worth
-        blocks = segments.plan(range(2 * cp), range(2 * cp), chunk)
+        blocks = segments.plan(range(layout.n_chunks), range(layout.n_chunks), chunk)
         out, lse = segments_forward(q, k, v, blocks, scale)
         return (out, *segments_backward(dout, q, k, v, out, lse, blocks, scale)), len(blocks)
     outs, dqs = [], []
@@ -134,7 +134,7 @@ def _simulate(method, q, k, v, dout, layout, positions, scale):
     for rank in range(cp):
         q_r, dout_r = (shard_sequence(t, 2, rank, layout) for t in (q, dout))
         if method == "allgather":
-            pieces = [(k, v, segments.plan(layout.chunks(rank), range(2 * cp), chunk), None)]
+            pieces = [(k, v, segments.plan(layout.chunks(rank), range(layout.n_chunks), chunk), None)]
         else:
             steps = _plans(layout, rank, chunk, segments)
             pieces = [(shard_sequence(k, 2, (rank - s) % cp, layout), shard_sequence(v, 2, (rank - s) % cp, layout),
@@ -158,12 +158,16 @@ def _simulate(method, q, k, v, dout, layout, positions, scale):
 
 
 @pytest.mark.parametrize("method", ["allgather", "ring", "ulysses"])
-@pytest.mark.parametrize("cp, load_balance", [(2, True), (3, True), (4, True), (4, False)])
+@pytest.mark.parametrize(
+    "cp, load_balance, rounds", [(2, True, 1), (3, True, 1), (4, True, 1), (4, False, 1), (2, True, 2), (3, True, 2), (4, True, 2)]
+)
 @pytest.mark.parametrize("heads", [(4, 2, 16, 16), (2, 2, 24, 16)])  # GQA; MLA-like Dqk != Dv
-def test_simulated_ranks_equal_each_document_alone(method, cp, load_balance, heads):
+def test_simulated_ranks_equal_each_document_alone(method, cp, load_balance, rounds, heads):
+    """packed_rows(chunk, cp) cut into rounds: documents of 1 token, longer than a rank's share, and
+    (rounds 2) of exactly two round chunks, starting at a chunk boundary."""
     H, G, dqk, dv = heads
-    chunk, scale = 5, 0.37
-    layout = SequenceLayout(cp, load_balance)
+    chunk, scale = 6, 0.37
+    layout = SequenceLayout(cp, load_balance, rounds)
     positions, lengths = packed_rows(chunk, cp)
     q, k, v, dout = random_qkv(2, H, G, 2 * cp * chunk, dqk, dv, dtype=torch.float64, seed=cp)
     ref = document_reference_with_grads(q, k, v, dout, lengths, scale)
@@ -186,6 +190,18 @@ def test_attention_work_by_hand():
     # rank 0 pieces 0,3 -> 1, rank 1 pieces 1,2 -> 2+3; [5] -> pieces 2,1,1,1 (0-1 | 2 | 3 | 4):
     # rank 0 -> 1+2 + 5, rank 1 -> 3 + 4.
     assert attention_work(PerDocumentHeadTail(2), [[3, 5]], 8) == [1 + 8, 5 + 7]
+    # rounds 2 (8 chunks of 1): rank 0 tokens 0, 3, 4, 7 -> 1+1+2+5 = 9; rank 1 tokens 1, 2, 5, 6 -> 2+3+3+4 = 12.
+    assert attention_work(SequenceLayout(2, True, 2), [[8]], 8) == [18, 18]
+    assert attention_work(SequenceLayout(2, True, 2), [[3, 5]], 8) == [9, 12]
+    # seq 16, documents [6, 10] (pairs 1-6 | 1-10), chunks of 2: rank 0 tokens 0-1, 6-9, 14-15 ->
+    # 1+2 + 1+2+3+4 + 9+10 = 32; rank 1 tokens 2-5, 10-13 -> 3+4+5+6 + 5+6+7+8 = 44. One round
+    # (chunks of 4): rank 0 tokens 0-3, 12-15 -> 10 + 7+8+9+10 = 44; rank 1 -> 5+6 + 21 = 32.
+    assert attention_work(SequenceLayout(2, True, 2), [[6, 10]], 16) == [32, 44]
+    assert attention_work(SequenceLayout(2, True), [[6, 10]], 16) == [44, 32]
+    # Contiguous ignores rounds in effect: the same tokens per rank.
+    assert attention_work(SequenceLayout(2, False, 2), [[6, 10]], 16) == attention_work(SequenceLayout(2, False), [[6, 10]], 16)
+    with pytest.raises(ValueError, match=r"not divisible by 2 x cp x rounds = 8"):
+        attention_work(SequenceLayout(2, True, 2), [[6]], 6)
     # Two rows add up; imbalance is max / mean.
     assert attention_work(SequenceLayout(2, True), [[8], [3, 5]], 8) == [30, 27]
     assert imbalance([30, 27]) == pytest.approx(30 / 28.5)

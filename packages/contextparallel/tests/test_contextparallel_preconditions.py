@@ -9,6 +9,8 @@
    With document masking: exactly one (declared) host read of the rows' segments in the first step
    of a document_positions tensor, none after; rows of one document each make exactly the causal
    kernel calls.
+3. Two head-tail rounds (`SequenceLayout(cp, rounds=2)`: causal and packed documents, fp32 and
+   bf16): the same preconditions and no syncs, and causal kernel calls per rank as counted here.
 Both are also checked by the repository's StepSentinel (plait.mesh.sentinel) when it is present.
 """
 
@@ -32,14 +34,23 @@ from plait.mesh.testing import run_on_ranks
 
 SHAPES = {"gqa": (4, 2, 16, 16), "mqa": (4, 1, 16, 16), "mla": (4, 4, 24, 16)}  # (H, G, Dqk, Dv)
 METHODS = ("allgather", "ring", "ulysses")
-# documents: None (causal), "packed" (packed_rows), "one_per_row" (one document per row, mid-document starts)
+# documents: None (causal), "packed" (packed_rows), "one_per_row" (one document per row, mid-document starts);
+# load balance: True (head-tail), False (contiguous) or 2 (head-tail, two rounds)
 CASES = (
     [(method, lb, shape, torch.float32, None) for method, lb, shape in itertools.product(METHODS, (True, False), SHAPES)]
     + [(method, True, "gqa", torch.bfloat16, None) for method in METHODS]
     + [(method, True, shape, torch.float32, "packed") for method, shape in itertools.product(METHODS, ("mqa", "mla"))]
     + [(method, True, "gqa", torch.bfloat16, "packed") for method in METHODS]
     + [(method, True, "gqa", torch.float32, "one_per_row") for method in METHODS]
+    + [(method, 2, shape, dtype, documents) for method, (shape, dtype), documents in itertools.product(
+        METHODS, (("gqa", torch.bfloat16), ("mla", torch.float32)), (None, "packed"))]
 )
+# Causal kernel calls (forward, backward) per rank at cp 2, one round vs two. All-gather: a diagonal
+# square per run of adjacent held chunks and a full block per run's earlier keys (rank 0 holds 0, 3
+# | 4, 7: squares 0, 3-4, 7; rank 1 holds 1-2 | 5-6: squares 1-2, 5-6, the first sharing keys
+# [0, 1)); ring: 1 call for its own chunks, 1 per round for the other rank's.
+CAUSAL_CALLS = {("allgather", True): [(3, 3), (2, 2)], ("allgather", 2): [(5, 5), (4, 4)],
+                ("ring", True): [(2, 2), (2, 2)], ("ring", 2): [(3, 3), (3, 3)]}
 
 
 def _positions(documents, world_size):
@@ -73,7 +84,7 @@ def _watch(rank, world_size):
     report = {}
     for n, (method, load_balance, shape, dtype, documents) in enumerate(CASES):
         H, G, dqk, dv = SHAPES[shape]
-        cp_layout = SequenceLayout(world_size, load_balance)
+        cp_layout = SequenceLayout(world_size, bool(load_balance), 2 if load_balance == 2 else 1)
         q, k, v, dout = random_qkv(2, H, G, 2 * world_size * 8, dqk, dv, dtype=dtype, seed=n)
         positions, lengths = _positions(documents, world_size) if documents else (None, None)
         if documents:
@@ -103,12 +114,15 @@ def _watch(rank, world_size):
             sentinel = (s.step_counts(), [tuple(r) for r in s.host_syncs], [tuple(r) for r in s.violations])
         got = [out.detach(), *(t.grad for t in local)]
         err = max((g.double() - shard_sequence(r, 2, rank, cp_layout)).abs().max().item() for g, r in zip(got, ref))
-        report[(method, load_balance, shape, str(dtype), documents)] = (steps, err, sentinel)
+        report[(method, load_balance if load_balance == 2 else bool(load_balance), shape, str(dtype), documents)] = (
+            steps, err, sentinel
+        )
     return report
 
 
 def test_kernel_inputs_meet_cuda_preconditions_and_steps_do_not_sync():
-    for rank_report in run_on_ranks(_watch, 2, timeout=300):
+    reports = run_on_ranks(_watch, 2, timeout=400)
+    for rank_report in reports:
         for case, (steps, err, sentinel) in rank_report.items():
             assert err < (1e-5 if "float32" in case[3] else 5e-2), (case, err)
             for fwd, bwd, problems, _host in steps:
@@ -133,6 +147,12 @@ def test_kernel_inputs_meet_cuda_preconditions_and_steps_do_not_sync():
             causal = [(f, b) for f, b, *_ in rank_report[(method, True, "gqa", "torch.float32", None)][0]]
             one_doc = [(f, b) for f, b, *_ in rank_report[(method, True, "gqa", "torch.float32", "one_per_row")][0]]
             assert causal == one_doc, (method, causal, one_doc)
+    # More rounds, more (smaller) causal calls: counted per rank and method.
+    for (method, rounds), per_rank in CAUSAL_CALLS.items():
+        dtype = "torch.float32" if rounds is True else "torch.bfloat16"
+        for rank, rank_report in enumerate(reports):
+            steps = rank_report[(method, rounds, "gqa", dtype, None)][0]
+            assert [(f, b) for f, b, *_ in steps] == [per_rank[rank]] * 2, (method, rounds, rank, steps)
 
 
 def test_checks_see_what_the_cuda_kernels_would_break():

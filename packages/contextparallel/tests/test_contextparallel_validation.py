@@ -17,6 +17,10 @@ INFO = {"attention_modules": ["layers.0.attention.sdpa"], "attention_heads": {"n
         ({"attention_modules": []}, 2, 64, ContextParallelConfig(), 1, r"needs the attention contract"),
         ({"attention_modules": ["a.sdpa"]}, 2, 64, ContextParallelConfig("ulysses"), 1, r"needs the model's head count"),
         (INFO, 2, 64, ContextParallelConfig("ring"), 1, r"model.attention_mask = 'sliding': .* set model.attention_mask"),
+        (INFO, 2, 72, ContextParallelConfig(load_balance_rounds=4), 1,
+         r"training.seq_len = 72 is not divisible by 2 x parallelism.cp x parallelism.cp_load_balance_rounds = "
+         r"2 x 2 x 4 = 16 .*: use a seq_len that is a multiple of 16, or fewer cp_load_balance_rounds"),
+        (INFO, 2, 64, ContextParallelConfig(load_balance_rounds=0), 1, r"parallelism.cp_load_balance_rounds = 0: .* set it to 1"),
     ],
 )
 def test_bad_settings_name_the_fix(info, cp, seq_len, config, tp, match):
@@ -32,3 +36,5 @@ def test_good_settings_pass():
         validate_context_parallel(INFO, 2, 64, ContextParallelConfig(method, load_balance=False), tp=1)
         # Document masking needs nothing more of any method.
         validate_context_parallel(INFO, 4, 2048, ContextParallelConfig(method), tp=4, attention_mask="document")
+        rounds = ContextParallelConfig(method, load_balance_rounds=4)
+        validate_context_parallel(INFO, 4, 2048, rounds, tp=4, attention_mask="document")  # 2048 = 64 x 32

@@ -17,7 +17,7 @@ from .layout import SequenceLayout
 
 
 def _gather_kv(k_BGLD: torch.Tensor, v_BGLF: torch.Tensor, group, layout: SequenceLayout):
-    """Local k [B, G, 2c, D], v [B, G, 2c, F] -> the whole sequence [B, G, S, *], natural order, each
+    """Local k [B, G, L, D], v [B, G, L, F] (L = chunks_per_rank x c) -> the whole sequence [B, G, S, *], natural order, each
     contiguous (gathered in one collective)."""
     gathered_RN = all_gather(pack(k_BGLD, v_BGLF), group, layout.cp)
     return unpack_gathered(gathered_RN, k_BGLD.shape, v_BGLF.shape, layout)
@@ -31,21 +31,21 @@ def unpack_gathered(gathered_RN: torch.Tensor, k_shape, v_shape, layout: Sequenc
 
 def _natural(x_RBGLF: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
     R, B, G, L, F = x_RBGLF.shape
-    slots_BGNcF = x_RBGLF.movedim(0, 2).reshape(B, G, layout.n_chunks, L // 2, F)
+    slots_BGNcF = x_RBGLF.movedim(0, 2).reshape(B, G, layout.n_chunks, L // layout.chunks_per_rank, F)
     return slots_BGNcF.index_select(2, layout.natural_order_index(x_RBGLF.device)).view(B, G, R * L, F)
 
 
 def _scatter_grad(dkv_BGSF: torch.Tensor, group, layout: SequenceLayout) -> torch.Tensor:
-    """Whole-sequence fp32 [B, G, S, F] summed over ranks -> this rank's [B, G, 2c, F]."""
+    """Whole-sequence fp32 [B, G, S, F] summed over ranks -> this rank's [B, G, L, F]."""
     return reduce_scatter(rank_major(dkv_BGSF, layout), group)
 
 
 def rank_major(x_BGSF: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
-    """Whole sequence [B, G, S, F] -> every rank's tokens [R, B, G, 2c, F] (what a reduce-scatter splits)."""
+    """Whole sequence [B, G, S, F] -> every rank's tokens [R, B, G, L, F] (what a reduce-scatter splits)."""
     B, G, S, F = x_BGSF.shape
     c = S // layout.n_chunks
     slots = x_BGSF.view(B, G, layout.n_chunks, c, F).index_select(2, layout.rank_order_index(x_BGSF.device))
-    return slots.view(B, G, layout.cp, 2 * c, F).movedim(2, 0)
+    return slots.view(B, G, layout.cp, layout.chunks_per_rank * c, F).movedim(2, 0)
 
 
 class AllGatherAttention(torch.autograd.Function):
@@ -54,7 +54,7 @@ class AllGatherAttention(torch.autograd.Function):
         rank = dist.get_rank(group)
         q = last_dim_contiguous(q)
         k_full, v_full = _gather_kv(k, v, group, layout)
-        chunk = q.shape[2] // 2
+        chunk = q.shape[2] // layout.chunks_per_rank
         # segments (documents.DocumentSegments) or None (causal): the blocks and their unit in tokens.
         blocks, unit = plan(layout.chunks(rank), range(layout.n_chunks), chunk, segments)
         acc = MergedAttention(q, v.shape[-1])

@@ -54,7 +54,8 @@ class ContextParallelAttention(nn.Module):
         return self._function.apply(q_BHLD, k_BGLD, v_BGLD, self.mesh.get_group(), self.layout, scale, segments)
 
     def extra_repr(self) -> str:
-        return f"method={self.method}, cp={self.layout.cp}, load_balance={self.layout.load_balance}"
+        layout = self.layout
+        return f"method={self.method}, cp={layout.cp}, load_balance={layout.load_balance}, rounds={layout.rounds}"
 
 
 def apply_context_parallel(
@@ -63,7 +64,7 @@ def apply_context_parallel(
     """Replace each attention module (`parallel_info()["attention_modules"]`) with context-parallel
     attention over `cp_mesh`, keeping its softmax `scale`. Returns the sequence layout that the
     batch must be sharded in (`shard_sequence`, `SequenceLayout.local_indices` for positions)."""
-    layout = SequenceLayout(cp_mesh.size(), config.load_balance)
+    layout = SequenceLayout(cp_mesh.size(), config.load_balance, config.load_balance_rounds)
     for path in attention_modules:
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model

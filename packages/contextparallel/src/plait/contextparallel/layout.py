@@ -1,11 +1,17 @@
 """Which tokens of a sequence each cp rank holds, and which attention blocks that leaves to compute.
 
-The sequence is always cut into 2 x cp equal chunks, and rank r holds two of them:
+The sequence is cut into 2 x cp x rounds equal chunks; round j is chunks [2cp j, 2cp (j + 1)), and
+rank r holds 2 x rounds of them, always in ascending order (the plans rely on it):
 
-    load-balanced (head-tail, "zigzag"):  chunks r and 2cp-1-r   -- every rank gets the same
-                                                                    causal work
-    contiguous:                           chunks 2r and 2r+1     -- rank cp-1 does ~2cp-1 times
-                                                                    the work of rank 0
+    load-balanced (head-tail, "zigzag"):  chunks r and 2cp-1-r of every round -- every rank gets
+                                          the same causal work, for any rounds
+    contiguous:                           chunks [2 rounds r, 2 rounds (r + 1))  -- rank cp-1 does
+                                          ~2cp-1 times the work of rank 0 (rounds changes nothing)
+
+rounds = 1 is the classic head-tail layout (chunks r and 2cp-1-r of 2cp). More rounds cut the
+sequence finer, which is what balances document-masked work when documents are short relative to
+seq / cp (a document's work lands on few chunks; finer chunks spread it), at the price of more,
+smaller kernel calls.
 
 Under causal attention a query chunk a sees key chunk b fully when b < a, its own chunk through a
 square causal mask, and nothing when b > a. `plan_blocks` turns that rule into the few kernel
@@ -21,20 +27,33 @@ import torch
 
 @dataclass(frozen=True)
 class SequenceLayout:
-    """The chunk assignment for `cp` ranks; `load_balance` picks head-tail over contiguous."""
+    """The chunk assignment for `cp` ranks; `load_balance` picks head-tail over contiguous, `rounds`
+    how many head-tail rounds the sequence is cut into (2 x cp x rounds chunks)."""
 
     cp: int
     load_balance: bool = True
+    rounds: int = 1
+
+    def __post_init__(self):
+        if self.cp < 1 or self.rounds < 1:
+            raise ValueError(f"SequenceLayout needs cp >= 1 and rounds >= 1, got cp={self.cp}, rounds={self.rounds}")
 
     @property
     def n_chunks(self) -> int:
-        return 2 * self.cp
+        return 2 * self.cp * self.rounds
 
-    def chunks(self, rank: int) -> tuple[int, int]:
+    @property
+    def chunks_per_rank(self) -> int:
+        """Chunks every rank holds (2 x rounds): a local buffer of L tokens is this many chunks of L / it."""
+        return 2 * self.rounds
+
+    def chunks(self, rank: int) -> tuple[int, ...]:
         """The global chunk indices rank `rank` holds, in the order it holds them (ascending)."""
         if self.load_balance:
-            return (rank, 2 * self.cp - 1 - rank)
-        return (2 * rank, 2 * rank + 1)
+            n = 2 * self.cp
+            return tuple(c for j in range(self.rounds) for c in (n * j + rank, n * j + n - 1 - rank))
+        per = self.chunks_per_rank
+        return tuple(range(per * rank, per * (rank + 1)))
 
     def rank_order(self) -> list[int]:
         """Global chunk index of every (rank, slot), rank-major: the order of a gather over ranks."""
@@ -47,11 +66,11 @@ class SequenceLayout:
 
     def rank_order_index(self, device=None) -> torch.Tensor:
         """rank_order() as a tensor on `device`: puts sequence-ordered chunks into rank-major order."""
-        return _order_indices(self.cp, self.load_balance, torch.device(device or "cpu"))[0]
+        return _order_indices(self.cp, self.load_balance, self.rounds, torch.device(device or "cpu"))[0]
 
     def natural_order_index(self, device=None) -> torch.Tensor:
         """natural_order() as a tensor on `device`: puts rank-major chunks back into sequence order."""
-        return _order_indices(self.cp, self.load_balance, torch.device(device or "cpu"))[1]
+        return _order_indices(self.cp, self.load_balance, self.rounds, torch.device(device or "cpu"))[1]
 
     def local_indices(self, rank: int, seq_len: int, device=None) -> torch.Tensor:
         """Positions (int64) in the full sequence of the tokens rank `rank` holds, in its order."""
@@ -60,30 +79,37 @@ class SequenceLayout:
 
     def chunk_len(self, seq_len: int) -> int:
         if seq_len % self.n_chunks:
-            raise ValueError(f"sequence length {seq_len} is not divisible by 2 x cp = {self.n_chunks}")
+            raise ValueError(f"sequence length {seq_len} is not divisible by {self._cut()}")
         return seq_len // self.n_chunks
+
+    def _cut(self) -> str:
+        return f"2 x cp = {self.n_chunks}" if self.rounds == 1 else f"2 x cp x rounds = {self.n_chunks}"
 
 
 @functools.cache
-def _order_indices(cp: int, load_balance: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _order_indices(cp: int, load_balance: bool, rounds: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(rank order, natural order) index tensors, built once per layout and device, and on the device
     itself: torch.tensor(list, device="cuda") would be a blocking host-to-device copy, and every
     layer's attention asks for them each micro-batch. Read-only: never written."""
     with torch.inference_mode(False):  # normal tensors even if first asked for under inference mode
-        c = torch.arange(2 * cp, device=device)
+        n, per = 2 * cp, 2 * rounds
+        c = torch.arange(n * rounds, device=device)
         if not load_balance:
             return c, c
-        # Rank r holds chunks r and 2cp-1-r, in slots 2r and 2r+1 of the rank-major order.
-        rank_order = torch.where(c % 2 == 0, c // 2, 2 * cp - 1 - c // 2)
-        natural_order = torch.where(c < cp, 2 * c, 4 * cp - 1 - 2 * c)
+        # Rank-major slot s = per r + 2 j + w holds round j's chunk r (w = 0) or 2cp-1-r (w = 1).
+        r, j, w = c // per, (c % per) // 2, c % 2
+        rank_order = n * j + torch.where(w == 0, r, n - 1 - r)
+        # Chunk c = 2cp j + i sits with rank min(i, 2cp-1-i), in its slot 2 j + (i >= cp).
+        j, i = c // n, c % n
+        natural_order = per * torch.where(i < cp, i, n - 1 - i) + 2 * j + (i >= cp).long()
         return rank_order, natural_order
 
 
 def shard_sequence(x: torch.Tensor, dim: int, rank: int, layout: SequenceLayout) -> torch.Tensor:
     """This rank's tokens of `x` along `dim` (the full sequence), in the layout's order."""
-    chunks = x.chunk(layout.n_chunks, dim=dim)
     if x.shape[dim] % layout.n_chunks:
-        raise ValueError(f"dim {dim} of size {x.shape[dim]} is not divisible by 2 x cp = {layout.n_chunks}")
+        raise ValueError(f"dim {dim} of size {x.shape[dim]} is not divisible by {layout._cut()}")
+    chunks = x.chunk(layout.n_chunks, dim=dim)
     return torch.cat([chunks[c] for c in layout.chunks(rank)], dim=dim)
 
 
@@ -93,7 +119,7 @@ def shard_batch(
     """This cp rank's (tokens, labels, positions) of a [B, S] batch, in the layout's order.
 
     Labels are sharded exactly like the tokens they follow, so every token is counted on exactly
-    one rank; positions [S / cp] are where those tokens sit in the sequence (RoPE indexes by them).
+    one rank; positions [S / cp] (int64) are where those tokens sit in the sequence (RoPE indexes by them).
     """
     positions_S = layout.local_indices(rank, tokens_BS.shape[1], device=tokens_BS.device)
     return shard_sequence(tokens_BS, 1, rank, layout), shard_sequence(labels_BS, 1, rank, layout), positions_S
@@ -103,7 +129,7 @@ def unshard_sequence(shards: Sequence[torch.Tensor], dim: int, layout: SequenceL
     """Inverse of `shard_sequence` given every rank's shard (rank order): the full sequence."""
     pieces = {}
     for rank, shard in enumerate(shards):
-        for slot, chunk in zip(layout.chunks(rank), shard.chunk(2, dim=dim)):
+        for slot, chunk in zip(layout.chunks(rank), shard.chunk(layout.chunks_per_rank, dim=dim)):
             pieces[slot] = chunk
     return torch.cat([pieces[c] for c in range(layout.n_chunks)], dim=dim)
 

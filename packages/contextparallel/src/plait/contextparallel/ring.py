@@ -30,7 +30,7 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group, layout: SequenceLayout, scale: float, segments=None):
         rank = dist.get_rank(group)
         q = last_dim_contiguous(q)
-        chunk = q.shape[2] // 2
+        chunk = q.shape[2] // layout.chunks_per_rank
         shift = RingShift(group, KV_TAG)
         plans = _plans(layout, rank, chunk, segments)
         unit = chunk if segments is None else 1

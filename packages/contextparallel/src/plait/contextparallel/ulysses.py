@@ -18,39 +18,39 @@ from .layout import SequenceLayout
 
 
 def seq_to_heads(x_BNLD: torch.Tensor, group, layout: SequenceLayout) -> torch.Tensor:
-    """[B, N, 2c, D] sequence shard -> [B, N/cp, S, D] head shard, sequence in natural order."""
+    """[B, N, L, D] sequence shard (L = chunks_per_rank x c) -> [B, N/cp, S, D] head shard, sequence in natural order."""
     return heads_from_ranks(all_to_all(heads_by_rank(x_BNLD, layout.cp), group), layout)
 
 
 def heads_to_seq(y_BnSD: torch.Tensor, group, layout: SequenceLayout) -> torch.Tensor:
-    """Inverse of seq_to_heads: [B, N/cp, S, D] -> [B, N, 2c, D]."""
+    """Inverse of seq_to_heads: [B, N/cp, S, D] -> [B, N, L, D]."""
     return seq_from_ranks(all_to_all(seq_by_rank(y_BnSD, layout), group))
 
 
 # The all-to-alls' two sides, also used to simulate the ranks on one device (the GPU tests).
 def heads_by_rank(x_BNLD: torch.Tensor, cp: int) -> torch.Tensor:
-    """[B, N, 2c, D] -> [cp, B, N/cp, 2c, D]: slice i (head group i) goes to rank i."""
+    """[B, N, L, D] -> [cp, B, N/cp, L, D]: slice i (head group i) goes to rank i."""
     B, N, L, D = x_BNLD.shape
     return x_BNLD.unflatten(1, (cp, N // cp)).movedim(1, 0)
 
 
 def heads_from_ranks(received_RBnLD: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
-    """[cp (source rank), B, n, 2c, D] -> [B, n, S, D], sequence in natural order."""
+    """[cp (source rank), B, n, L, D] -> [B, n, S, D], sequence in natural order."""
     R, B, n, L, D = received_RBnLD.shape
-    slots = received_RBnLD.movedim(0, 2).reshape(B, n, layout.n_chunks, L // 2, D)
+    slots = received_RBnLD.movedim(0, 2).reshape(B, n, layout.n_chunks, L // layout.chunks_per_rank, D)
     return slots.index_select(2, layout.natural_order_index(received_RBnLD.device)).view(B, n, R * L, D)
 
 
 def seq_by_rank(y_BnSD: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
-    """[B, n, S, D] -> [cp, B, n, 2c, D]: slice i (rank i's tokens) goes to rank i."""
+    """[B, n, S, D] -> [cp, B, n, L, D]: slice i (rank i's tokens) goes to rank i."""
     B, n, S, D = y_BnSD.shape
     cp, c = layout.cp, S // layout.n_chunks
     slots = y_BnSD.view(B, n, layout.n_chunks, c, D).index_select(2, layout.rank_order_index(y_BnSD.device))
-    return slots.view(B, n, cp, 2 * c, D).movedim(2, 0)
+    return slots.view(B, n, cp, layout.chunks_per_rank * c, D).movedim(2, 0)
 
 
 def seq_from_ranks(received_RBnLD: torch.Tensor) -> torch.Tensor:
-    """[cp (head group), B, n, 2c, D] -> [B, cp * n, 2c, D]."""
+    """[cp (head group), B, n, L, D] -> [B, cp * n, L, D]."""
     R, B, n, L, D = received_RBnLD.shape
     return received_RBnLD.movedim(0, 1).reshape(B, R * n, L, D)
 
@@ -68,7 +68,8 @@ class UlyssesAttention(torch.autograd.Function):
             k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
         q_h, k_h, v_h = (seq_to_heads(t, group, layout) for t in (q, k, v))
         # The whole sequence is here: with documents, the one causal square refined per segment.
-        blocks = None if segments is None else segments.plan(range(layout.n_chunks), range(layout.n_chunks), q.shape[2] // 2)
+        chunk = q.shape[2] // layout.chunks_per_rank
+        blocks = None if segments is None else segments.plan(range(layout.n_chunks), range(layout.n_chunks), chunk)
         if blocks is None:
             out_h, lse_h = attention_forward(q_h, k_h, v_h, True, scale)
         else:
