@@ -1,0 +1,122 @@
+"""Document masking (issue 22) on the device under test: the models' per-segment attention and
+context parallel's document plans on the CUDA kernels, against math attention per document, and
+a document-masked forward + backward without a host sync when the segments were read beforehand.
+
+No CUDA-only branch is added by document masking: the kernels are the causal ones (per segment),
+chosen by the same rules (`kernels._kernel`, F.scaled_dot_product_attention). What differs on CUDA
+is which kernel runs and that reading the segments from a device tensor would sync: the trainer
+reads them from the loader's CPU tensor first (`plait.models.documents.to_device_with_segments`).
+
+Reference: per document, fp32 math SDPA, causal, on the same dtype-rounded inputs. Tolerances as in
+test_gpu_contextparallel.py: fp32 1e-4, bf16 2e-2 of the reference's largest magnitude.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from plait.contextparallel import ContextParallelAttention, SequenceLayout
+from plait.models.common import document_attention
+from plait.models.documents import row_segments, to_device_with_segments
+
+SHAPES = {"gqa": (8, 2, 64, 64), "mla": (4, 4, 192, 128)}  # (H, G, Dqk, Dv)
+# Row 0: a document tail (offset 5), a 1-token document, 16, 30, 12 tokens; row 1: one document.
+LENGTHS, SEQ = (5, 1, 16, 30, 12), 64
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _document_positions():
+    pieces = [torch.arange(n) for n in LENGTHS]
+    pieces[0] = pieces[0] + 5
+    return torch.stack([torch.cat(pieces), torch.arange(SEQ)]).int()
+
+
+def _inputs(device, dtype, shape):
+    H, G, dqk, dv = SHAPES[shape]
+    q, k, v, dout = (torch.randn(2, n, SEQ, d) for n, d in ((H, dqk), (G, dqk), (G, dv), (H, dv)))
+    return [t.to(device, dtype) for t in (q, k, v, dout)]
+
+
+def _reference(q, k, v, dout, scale):
+    """Each document alone, fp32 math SDPA: out and the q, k, v gradients."""
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    rep = q.shape[1] // k.shape[1]
+    k_rep, v_rep = k32.repeat_interleave(rep, 1), v32.repeat_interleave(rep, 1)
+    bounds = [(0, *torch.tensor(LENGTHS).cumsum(0).tolist()), (0, SEQ)]
+    rows = []
+    with sdpa_kernel(SDPBackend.MATH):
+        for b, cuts in enumerate(bounds):
+            rows.append(torch.cat([
+                F.scaled_dot_product_attention(q32[b:b + 1, :, s:e], k_rep[b:b + 1, :, s:e], v_rep[b:b + 1, :, s:e],
+                                               is_causal=True, scale=scale)
+                for s, e in zip(cuts, cuts[1:])
+            ], dim=2))  # fmt: skip
+    out = torch.cat(rows)
+    out.backward(dout.float())
+    return out.detach(), q32.grad, k32.grad, v32.grad
+
+
+def _check(got, want, dtype, what):
+    scale = want.abs().max().item()
+    tol = 1e-4 * max(scale, 1.0) if dtype == torch.float32 else 2e-2 * scale
+    err = (got.float() - want).abs().max().item()
+    assert err <= tol, f"{what}: max error {err:.3g} > {tol:.3g} (reference max {scale:.3g})"
+
+
+def _run(attend, q, k, v, dout, dtype, what):
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = attend(*leaves)
+    out.backward(dout)
+    ref = _reference(q, k, v, dout, 0.1)
+    for name, g, r in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in leaves)), ref):
+        assert g.dtype == dtype, f"{what} {name}: {g.dtype}"
+        _check(g.detach(), r, dtype, f"{what} {name}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_model_document_attention(device, shape, dtype):
+    """plait.models.common.document_attention: one causal SDPA call per segment (flash on CUDA bf16
+    for equal head dims; MLA's narrower values take SDPA's own choice) equals each document alone."""
+    q, k, v, dout = _inputs(device, dtype, shape)
+    positions = _document_positions().to(device)
+    _run(lambda *t: document_attention(*t, positions, 0.1), q, k, v, dout, dtype, f"models {shape} {dtype}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("method", ["allgather", "ring", "ulysses"])
+def test_context_parallel_documents_on_one_rank_group(device, one_rank_mesh, method, dtype):
+    """contextparallel's document plans on the real autograd functions and collectives of a 1-rank
+    group (NCCL on CUDA), with the flash kernels: equal to each document alone."""
+    q, k, v, dout = _inputs(device, dtype, "gqa")
+    positions = _document_positions().to(device)
+    attention = ContextParallelAttention(one_rank_mesh, method, SequenceLayout(1, True), scale=0.1)
+    _run(lambda *t: attention(*t, positions), q, k, v, dout, dtype, f"cp {method} {dtype}")
+
+
+@pytest.mark.cuda_only
+@pytest.mark.parametrize("where", ["models", "allgather", "ring", "ulysses"])
+def test_document_step_does_not_sync_when_segments_were_read_first(device, one_rank_mesh, where):
+    """The trainer's path: segments read from the CPU tensor, the tensor moved with them; a whole
+    forward + backward then runs under set_sync_debug_mode("error")."""
+    q, k, v, dout = (t.requires_grad_() if i < 3 else t for i, t in enumerate(_inputs(device, torch.bfloat16, "gqa")))
+    cpu_positions = _document_positions()
+    row_segments(cpu_positions)
+    positions = to_device_with_segments(cpu_positions, device)
+    if where == "models":
+        def attend(*t):
+            return document_attention(*t, positions, 0.1)
+    else:
+        attention = ContextParallelAttention(one_rank_mesh, where, SequenceLayout(1, True), scale=0.1)
+
+        def attend(*t):
+            return attention(*t, positions)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):
+            attend(q, k, v).backward(dout)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
