@@ -1,14 +1,17 @@
 """Attention work imbalance per cp rank under document masking, per sharding strategy.
 
-    python packages/contextparallel/benchmarks/document_imbalance.py [--rows 64] [--seed 0]
+    python packages/contextparallel/benchmarks/document_imbalance.py [--micro-batches 32] [--seed 0]
 
 Work = query-key pairs actually computed (FLOPs-proportional), per rank, from
-`plait.contextparallel.attention_work`: our head-tail chunks (the plans the kernels run), contiguous
-chunks, and torchtitan's per-document head-tail (each document cut into 2 x cp pieces, simulated).
-Each row is one micro-batch (B = 1, as long-context runs use); a cell is the mean over rows of
-max/mean rank work, with the worst row in brackets. "doc/causal" is document work over causal work
-(1 - the fraction of attention FLOPs document masking skips). Ulysses computes the whole sequence
-on heads / cp on every rank: always 1.00.
+`plait.contextparallel.attention_work`: our head-tail chunks in 1, 2 and 4 rounds
+(`SequenceLayout(cp, rounds=k)`: 2 x cp x k chunks, head-tail per round; the plans the kernels
+run), contiguous chunks, and torchtitan's per-document head-tail (each document cut into 2 x cp
+pieces, simulated). A micro-batch is B rows (B = 1, as long-context runs use, and B = 8); its
+work per rank is summed over its rows, its imbalance is max/mean over ranks; a cell is the mean
+over micro-batches, with the worst micro-batch in brackets. "doc/causal" is document work over
+causal work (1 - the fraction of attention FLOPs document masking skips). Ulysses computes the
+whole sequence on heads / cp on every rank: always 1.00. Causal work is exactly balanced by
+head-tail for any rounds.
 
 Mixes (document lengths in tokens):
   short     log-normal, median 300, sigma 0.6 (every document short relative to a chunk at long seq)
@@ -65,33 +68,45 @@ def _fill(rng: random.Random, n: int) -> list[int]:
     return out
 
 
-def table(n_rows: int, seed: int) -> list[str]:
+ROUNDS = (1, 2, 4)
+
+
+def table(n_micro_batches: int, seed: int, batch_sizes=(1, 8), seq_lens=(4096, 16384), cps=(2, 4, 8)) -> list[str]:
+    rounds_heads = " | ".join(f"head-tail k={k}" for k in ROUNDS)
     lines = [
-        "| mix | seq | cp | head-tail (ours) | contiguous | per-document head-tail | doc/causal |",
-        "|---|---|---|---|---|---|---|",
+        f"| mix | seq | cp | B | {rounds_heads} | contiguous | per-document head-tail | doc/causal |",
+        "|---|---|---|---|" + "---|" * (len(ROUNDS) + 3),
     ]
     for mix in ("short", "one-long", "web"):
-        for seq_len in (4096, 16384):
-            rng = random.Random(f"{seed}-{mix}-{seq_len}")
-            rows = one_long_rows(rng, seq_len, n_rows) if mix == "one-long" else stream_rows(rng, *MIXES[mix], seq_len, n_rows)
-            for cp in (2, 4, 8):
-                cells = []
-                for strategy in (SequenceLayout(cp, True), SequenceLayout(cp, False), PerDocumentHeadTail(cp)):
-                    ratios = [imbalance(attention_work(strategy, [row], seq_len)) for row in rows]
-                    cells.append(f"{statistics.mean(ratios):.3f} ({max(ratios):.2f})")
-                doc = sum(sum(attention_work(SequenceLayout(cp, True), [row], seq_len)) for row in rows)
-                causal = len(rows) * seq_len * (seq_len + 1) // 2
-                lines.append(f"| {mix} | {seq_len} | {cp} | " + " | ".join(cells) + f" | {doc / causal:.3f} |")
+        for seq_len in seq_lens:
+            for B in batch_sizes:
+                rng = random.Random(f"{seed}-{mix}-{seq_len}-{B}")
+                n_rows = n_micro_batches * B
+                if mix == "one-long":
+                    rows = one_long_rows(rng, seq_len, n_rows)
+                else:
+                    rows = stream_rows(rng, *MIXES[mix], seq_len, n_rows)
+                batches = [rows[i : i + B] for i in range(0, n_rows, B)]
+                for cp in cps:
+                    strategies = [SequenceLayout(cp, True, k) for k in ROUNDS]
+                    strategies += [SequenceLayout(cp, False), PerDocumentHeadTail(cp)]
+                    cells = []
+                    for strategy in strategies:
+                        ratios = [imbalance(attention_work(strategy, batch, seq_len)) for batch in batches]
+                        cells.append(f"{statistics.mean(ratios):.3f} ({max(ratios):.2f})")
+                    doc = sum(sum(attention_work(SequenceLayout(cp, True), [row], seq_len)) for row in rows)
+                    causal = len(rows) * seq_len * (seq_len + 1) // 2
+                    lines.append(f"| {mix} | {seq_len} | {cp} | {B} | " + " | ".join(cells) + f" | {doc / causal:.3f} |")
     return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=64, help="rows (micro-batches of one row) per mix and seq")
+    parser.add_argument("--micro-batches", type=int, default=32, help="micro-batches per mix, seq and batch size")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    print("max/mean attention work per cp rank: mean over rows (worst row); Ulysses: 1.00 always")
-    print("\n".join(table(args.rows, args.seed)))
+    print("max/mean attention work per cp rank: mean over micro-batches (worst); Ulysses: 1.00 always")
+    print("\n".join(table(args.micro_batches, args.seed)))
 
 
 if __name__ == "__main__":

@@ -5,12 +5,13 @@ square L (L + 1) / 2. All methods but Ulysses compute a query's pairs on the ran
 so a rank's work is its queries'; Ulysses computes the whole sequence on heads / cp per rank and is
 balanced whatever the documents (its work is total / cp on every rank).
 
-    attention_work(SequenceLayout(cp, load_balance=True), [[300, 700, ...], ...], seq_len)
+    attention_work(SequenceLayout(cp, load_balance=True, rounds=1), [[300, 700, ...], ...], seq_len)
     attention_work(PerDocumentHeadTail(cp), segments_per_row, seq_len)
     imbalance(work)  # max / mean
 
-- `SequenceLayout(cp, True)`: our head-tail chunks (rank r holds chunks r and 2cp-1-r of each row),
-  counted from the very document plans the kernels run (`documents.plan_document_blocks`);
+- `SequenceLayout(cp, True, rounds)`: our head-tail chunks (rank r holds chunks r and 2cp-1-r of
+  each round of 2cp chunks, 2 x cp x rounds chunks a row), counted from the very document plans the
+  kernels run (`documents.plan_document_blocks`); more rounds spread short documents' work finer;
 - `SequenceLayout(cp, False)`: contiguous chunks;
 - `PerDocumentHeadTail(cp)`: torchtitan's per-document head-tail strategy, simulated (not a runtime
   layout here): every document segment is cut into 2 x cp near-equal pieces, rank r takes pieces r
@@ -36,7 +37,8 @@ def attention_work(
     layout: SequenceLayout | PerDocumentHeadTail, segments_per_row: Sequence[Sequence[int]], seq_len: int
 ) -> list[int]:
     """Query-key pairs each cp rank computes for rows with these segment lengths (each row's lengths
-    in order, summing to seq_len; a row starting mid-document starts with that document's tail)."""
+    in order, summing to seq_len; a row starting mid-document starts with that document's tail),
+    summed over the rows (a micro-batch). seq_len must divide into the layout's chunks."""
     boundaries = [boundaries_from_lengths(lengths) for lengths in segments_per_row]
     for lengths, b in zip(segments_per_row, boundaries):
         if b[-1] != seq_len:
