@@ -127,3 +127,38 @@ def test_inf_norm_single_process():
     p = torch.nn.Parameter(torch.zeros(3))
     p.grad = torch.tensor([1.0, -7.0, 2.0])
     assert grad_norm([p], norm_type=float("inf")).item() == 7.0
+
+
+def _pipeline_stage_norms(rank, world_size, max_norm):
+    """pp 2 x dp_shard 2: each stage holds its own parameters, FSDP-sharded over its own 2 ranks."""
+    meshes = build_meshes(ParallelDims(pp=2, dp_shard=2, world_size=world_size))
+    groups = {v: sorted(dist.get_process_group_ranks(getattr(meshes, v).get_group())) for v in ("pp", "dp_shard_cp")}
+    full = list(_full_grads().values())
+    mine = full[:2] if meshes.pp_rank == 0 else full[2:]  # stage 0: two weights, stage 1: the other two
+    params = []
+    for g in mine:
+        p = torch.nn.Parameter(distribute_tensor(torch.zeros_like(g), meshes.dp_shard_cp, [Shard(0)]))
+        p.grad = distribute_tensor(g.clone(), meshes.dp_shard_cp, [Shard(0)])
+        params.append(p)
+    inf = grad_norm(params, norm_type=float("inf"), pp_mesh=meshes.pp).item()
+    stage_only = grad_norm(params).item()
+    total = clip_grad_norm_(params, max_norm, pp_mesh=meshes.pp).item()
+    return meshes.pp_rank, groups, inf, stage_only, total, [p.grad.full_tensor() for p in params]
+
+
+def test_pipeline_stages_clip_by_the_whole_models_norm():
+    max_norm = 1.0
+    full = list(_full_grads().values())
+    expected = torch.nn.utils.get_total_norm(full).item()
+    ref = [g.clone() for g in full]
+    torch.nn.utils.clip_grads_with_norm_(ref, max_norm, torch.tensor(expected))
+    results = run_on_ranks(_pipeline_stage_norms, 4, max_norm, timeout=120)
+    for rank, (pp_rank, groups, inf, stage_only, total, clipped) in enumerate(results):
+        assert pp_rank == rank // 2
+        # pp is outermost: ranks 0, 1 are stage 0; the pp group pairs the same place in each stage.
+        assert groups == {"pp": [rank % 2, rank % 2 + 2], "dp_shard_cp": [rank - rank % 2, rank - rank % 2 + 1]}
+        assert inf == max(g.abs().max().item() for g in full)
+        assert stage_only < expected  # without pp_mesh a stage sees only its share
+        assert total == pytest.approx(expected, rel=1e-6)
+        for got, want in zip(clipped, ref[:2] if pp_rank == 0 else ref[2:]):
+            torch.testing.assert_close(got, want)

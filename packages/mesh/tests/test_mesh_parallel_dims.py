@@ -18,6 +18,13 @@ def test_derived_degrees_for_moe():
     assert ParallelDims(dp_shard=2, cp=2, tp=2, ep=2, etp=2, world_size=8).efsdp == 2
 
 
+def test_pp_is_outermost_and_leaves_the_stage_degrees_alone():
+    dims = ParallelDims(pp=2, dp_shard=-1, tp=2, world_size=8)
+    assert (dims.dp_shard, dims.stage_world_size, dims.dp, dims.dp_cp, dims.pp_enabled) == (2, 4, 2, 2, True)
+    assert ParallelDims(world_size=4) == ParallelDims(world_size=4, pp=1)
+    assert not ParallelDims(world_size=4).pp_enabled
+
+
 @pytest.mark.parametrize(
     "kwargs, words",
     [
@@ -29,6 +36,10 @@ def test_derived_degrees_for_moe():
         (dict(dp_shard=4, ep=3, world_size=4), ["parallelism.ep = 3", "must divide"]),
         (dict(dp_shard=2, cp=2, ep=2, tp=2, etp=1, world_size=8), ["must be a multiple of cp * tp = 4"]),
         (dict(dp_shard=2, tp=2.0, world_size=4), ["parallelism.tp must be an integer"]),
+        (dict(pp=0, world_size=4), ["parallelism.pp = 0", ">= 1"]),
+        (dict(pp=2, dp_shard=4, world_size=4), ["pp * dp_replicate * dp_shard * cp * tp = 2 * 1 * 4 * 1 * 1 = 8",
+                                                 "world size is 4"]),
+        (dict(pp=3, tp=2, world_size=8), ["cannot infer parallelism.dp_shard", "pp * dp_replicate * cp * tp"]),
     ],
 )
 def test_invalid_layouts_name_the_setting_and_the_fix(kwargs, words):

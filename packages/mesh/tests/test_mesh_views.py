@@ -1,7 +1,7 @@
 """Every named view has the right size and groups the right ranks, for every rank of a layout.
 
-Both layouts are checked: the dense one (dp_replicate, dp_shard, cp, tp) and, when ep > 1, the
-sparse one (dp_replicate, efsdp, ep, etp) that routed experts use, including how the two fit
+Both layouts are checked: the dense one (pp, dp_replicate, dp_shard, cp, tp) and, when ep > 1, the
+sparse one (pp, dp_replicate, efsdp, ep, etp) that routed experts use, including how the two fit
 together (ep is borrowed from dp_shard x cp, and from tp too when etp == 1).
 
 Rank coordinates come from a fake process group (no processes: all ranks checked in one), the
@@ -17,9 +17,10 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from plait.mesh import ParallelDims, build_meshes
 
-DENSE = ("dp_replicate", "dp_shard", "cp", "tp")
-SPARSE = ("dp_replicate", "efsdp", "ep", "etp")
+DENSE = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+SPARSE = ("pp", "dp_replicate", "efsdp", "ep", "etp")
 VIEWS = {
+    "pp": (DENSE, ("pp",)),
     "dp": (DENSE, ("dp_replicate", "dp_shard")),
     "dp_shard_cp": (DENSE, ("dp_shard", "cp")),
     "dp_cp": (DENSE, ("dp_replicate", "dp_shard", "cp")),
@@ -68,6 +69,16 @@ LAYOUTS = [
     dict(world_size=8, dp_replicate=2, dp_shard=4, ep=2),
     dict(world_size=8, dp_replicate=2, dp_shard=2, tp=2, ep=2),
     dict(world_size=8, dp_shard=8),
+    # Pipeline parallel outermost: every other view stays inside one stage's ranks.
+    dict(world_size=2, pp=2, dp_shard=1),
+    dict(world_size=4, pp=2, dp_shard=2),
+    dict(world_size=4, pp=4, dp_shard=1),
+    dict(world_size=8, pp=2, dp_replicate=2, dp_shard=2),
+    dict(world_size=8, pp=2, dp_shard=2, tp=2),
+    dict(world_size=8, pp=2, dp_shard=-1, cp=2, tp=2),
+    dict(world_size=8, pp=2, dp_shard=4, ep=2),
+    dict(world_size=8, pp=2, dp_shard=2, tp=2, ep=2, etp=2),
+    dict(world_size=8, pp=2, dp_shard=2, cp=2, ep=2),
 ]
 
 
@@ -97,6 +108,8 @@ def test_views_group_the_right_ranks(layout):
                 groups[view][rank] = got
             expected_dp = expected_group(dims, rank, DENSE, ("dp_replicate", "dp_shard"))
             assert meshes.dp_rank == expected_dp.index(rank)
+            assert meshes.pp_rank == rank // dims.stage_world_size and meshes.pp_degree == dims.pp
+            _check_views_inside_stage(dims, meshes, rank)
             _check_fsdp_meshes(dims, meshes)
             _check_expert_fsdp_mesh(dims, meshes, rank)
         finally:
@@ -107,6 +120,22 @@ def test_views_group_the_right_ranks(layout):
             assert {tuple(g) for g in by_rank.values()} == expected_groups(dims, layout_axes, axes), view
     if dims.ep > 1:
         _check_sparse_fits_dense(dims, groups)
+
+
+def _check_views_inside_stage(dims, meshes, rank):
+    """Under pp every view but pp holds only this rank's stage, and is the pp = 1 group shifted by the stage."""
+    stage_ranks = dims.stage_world_size
+    stage = rank // stage_ranks
+    flat = dict(dims.__dict__, pp=1, world_size=stage_ranks)
+    stage_dims = ParallelDims(**flat)
+    for view, (layout_axes, axes) in VIEWS.items():
+        mesh = getattr(meshes, view)
+        if view == "pp" or mesh is None:
+            continue
+        got = sorted(dist.get_process_group_ranks(mesh.get_group()))
+        assert all(r // stage_ranks == stage for r in got), (view, rank)
+        alone = expected_group(stage_dims, rank % stage_ranks, layout_axes, axes)
+        assert got == [stage * stage_ranks + r for r in alone], (view, rank)
 
 
 def _check_sparse_fits_dense(dims, groups):
@@ -133,8 +162,8 @@ def _check_expert_fsdp_mesh(dims, meshes, rank):
     if dims.ep == 1:
         return
     grid = torch.arange(dims.world_size).view([getattr(dims, a) for a in SPARSE])
-    _, _, ep, etp = (int(c) for c in (grid == rank).nonzero()[0])
-    expected = grid[:, :, ep, etp]
+    pp, _, _, ep, etp = (int(c) for c in (grid == rank).nonzero()[0])
+    expected = grid[pp, :, :, ep, etp]
     expected = expected[tuple(slice(None) if n > 1 else 0 for n in expected.shape)]
     if expected.numel() == 1:
         assert meshes.expert_fsdp is None

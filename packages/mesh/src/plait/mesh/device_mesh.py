@@ -3,10 +3,12 @@
 Two layouts of the same world are unflattened from one root so all views share it (FSDP + TP/EP
 glue needs that):
 
-    dense:  (dp_replicate, dp_shard, cp, tp)         -- attention, dense FFN, embeddings
-    sparse: (dp_replicate, efsdp, ep, etp)           -- routed experts (dp2ep), only when ep > 1
+    dense:  (pp, dp_replicate, dp_shard, cp, tp)     -- attention, dense FFN, embeddings
+    sparse: (pp, dp_replicate, efsdp, ep, etp)       -- routed experts (dp2ep), only when ep > 1
 
-Axes of size 1 are left out, so a view made only of size-1 axes is `None` and a 1-rank run
+Pipeline parallel is the outermost axis: every view but `pp` is over the ranks of one stage (the
+same groups a pp = 1 run of stage_world_size ranks would make, offset by the stage). Axes of size
+1 are left out, so a view made only of size-1 axes is `None` and a 1-rank run
 creates no process group at all.
 """
 
@@ -50,6 +52,7 @@ class Meshes:
     dims: ParallelDims
     device_type: str
     world: DeviceMesh | None = None
+    pp: DeviceMesh | None = None  # the ranks holding the same part of every stage, one per stage
     dense: DeviceMesh | None = None
     sparse: DeviceMesh | None = None
     dp: DeviceMesh | None = None  # dp_replicate x dp_shard: ranks that load different data
@@ -83,6 +86,15 @@ class Meshes:
     def dp_degree(self) -> int:
         return self.dims.dp
 
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline rank (which stage(s) it holds)."""
+        return self.pp.get_local_rank() if self.pp is not None else 0
+
+    @property
+    def pp_degree(self) -> int:
+        return self.dims.pp
+
 
 def _pair(replicate: DeviceMesh | None, shard: DeviceMesh | None) -> DeviceMesh | None:
     if replicate is not None and shard is not None:
@@ -107,9 +119,12 @@ def build_meshes(dims: ParallelDims, device_type: str = "cpu") -> Meshes:
     world = init_device_mesh(device_type, (dims.world_size,), mesh_dim_names=("world",))
     meshes.world = world
     meshes.dense = _layout(
-        world, (("dp_replicate", dims.dp_replicate), ("dp_shard", dims.dp_shard), ("cp", dims.cp), ("tp", dims.tp))
+        world,
+        (("pp", dims.pp), ("dp_replicate", dims.dp_replicate), ("dp_shard", dims.dp_shard), ("cp", dims.cp),
+         ("tp", dims.tp)),
     )
     d = meshes.dense
+    meshes.pp = _view(d, ("pp",), "pp")
     meshes.dp_replicate = _view(d, ("dp_replicate",), "dp_replicate")
     meshes.dp_shard = _view(d, ("dp_shard",), "dp_shard")
     meshes.cp = _view(d, ("cp",), "cp")
@@ -120,7 +135,8 @@ def build_meshes(dims: ParallelDims, device_type: str = "cpu") -> Meshes:
     if dims.ep > 1:
         meshes.sparse = _layout(
             world,
-            (("dp_replicate", dims.dp_replicate), ("efsdp", dims.efsdp), ("ep", dims.ep), ("etp", dims.etp)),
+            (("pp", dims.pp), ("dp_replicate", dims.dp_replicate), ("efsdp", dims.efsdp), ("ep", dims.ep),
+             ("etp", dims.etp)),
         )
         s = meshes.sparse
         meshes.efsdp = _view(s, ("efsdp",), "efsdp")

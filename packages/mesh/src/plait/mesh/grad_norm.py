@@ -3,13 +3,17 @@
 torch's `clip_grad_norm_` stacks every per-parameter norm into one tensor, which fails when plain
 tensors, DTensors on a 1D FSDP mesh and DTensors on a 2D (ep, etp) mesh are mixed. Here gradients
 are grouped by (mesh, placements), each group's norm is reduced over its own mesh, and the group
-norms are combined into one global norm that every rank agrees on.
+norms are combined into one global norm that every rank agrees on. Under pipeline parallel each
+rank holds one stage's parameters only: pass `pp_mesh` and the stages' norms are combined too (one
+all-reduce over pp), so every stage clips by the norm of the whole model.
 """
 
 import math
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 
@@ -41,21 +45,34 @@ def _group_norm(grads: list[torch.Tensor], norm_type: float, foreach: bool | Non
 
 
 def grad_norm(
-    parameters: Iterable[torch.Tensor], norm_type: float = 2.0, foreach: bool | None = None
+    parameters: Iterable[torch.Tensor],
+    norm_type: float = 2.0,
+    foreach: bool | None = None,
+    pp_mesh: DeviceMesh | None = None,
 ) -> torch.Tensor:
-    """The global gradient norm of `parameters`, whatever mesh each lives on."""
-    return _total_norm(_grads_by_group(parameters), float(norm_type), foreach)
+    """The global gradient norm of `parameters`, whatever mesh each lives on (and over every
+    pipeline stage when `pp_mesh` is given)."""
+    return _total_norm(_grads_by_group(parameters), float(norm_type), foreach, pp_mesh)
 
 
-def _total_norm(groups: dict, norm_type: float, foreach: bool | None) -> torch.Tensor:
+def _total_norm(
+    groups: dict, norm_type: float, foreach: bool | None, pp_mesh: DeviceMesh | None = None
+) -> torch.Tensor:
     norms = [_group_norm(grads, norm_type, foreach) for grads in groups.values()]
-    if not norms:
+    if not norms and pp_mesh is None:
         return torch.tensor(0.0)
-    device = norms[0].device
-    stacked = torch.stack([n.to(device) for n in norms])
+    device = norms[0].device if norms else torch.device(pp_mesh.device_type)
+    stacked = torch.stack([n.to(device) for n in norms]) if norms else torch.zeros(1, dtype=torch.float64, device=device)
     if math.isinf(norm_type):
-        return stacked.max().float()
-    return stacked.pow(norm_type).sum().pow(1.0 / norm_type).float()
+        total = stacked.max()
+        if pp_mesh is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_mesh.get_group())
+        return total.float()
+    # A stage's sum of powers, summed over the stages, is the whole model's (a stage may hold none).
+    powered = stacked.pow(norm_type).sum()
+    if pp_mesh is not None:
+        dist.all_reduce(powered, group=pp_mesh.get_group())
+    return powered.pow(1.0 / norm_type).float()
 
 
 def clip_grad_norm_(
@@ -64,14 +81,18 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
+    pp_mesh: DeviceMesh | None = None,
 ) -> torch.Tensor:
     """Clip every gradient in place by one global norm; return that norm (a plain tensor).
+
+    Under pipeline parallel pass `pp_mesh` (`meshes.pp`): the norm is the whole model's, every stage
+    clips by it.
 
     A non-finite norm is returned as it is (the trainer stops on it); with `error_if_nonfinite`
     it raises instead.
     """
     groups = _grads_by_group(list(parameters))
-    total = _total_norm(groups, float(norm_type), foreach)
+    total = _total_norm(groups, float(norm_type), foreach, pp_mesh)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total gradient norm ({norm_type}) is {total.item()}: the gradients are non-finite.")
     for grads in groups.values():

@@ -1,8 +1,9 @@
 """Parallel degrees, checked before any collective.
 
-A run states degrees, not modes: `dp_replicate x dp_shard x cp x tp == world_size`, and for MoE an
-expert-parallel degree `ep` borrowed from `dp_shard x cp` (and from `tp` too when experts are not
-tensor-parallel, `etp == 1`), as in dp2ep expert parallel.
+A run states degrees, not modes: `pp x dp_replicate x dp_shard x cp x tp == world_size`, and for
+MoE an expert-parallel degree `ep` borrowed from `dp_shard x cp` (and from `tp` too when experts are
+not tensor-parallel, `etp == 1`), as in dp2ep expert parallel. Pipeline parallel (`pp`) is the
+outermost axis: every other degree describes the ranks of one pipeline stage.
 """
 
 from dataclasses import dataclass, fields
@@ -21,6 +22,8 @@ class ParallelDims:
     ep: int = 1
     etp: int = 1
     world_size: int = 1
+    # Last, so positional construction of the other fields keeps working.
+    pp: int = 1
 
     def __post_init__(self):
         # Resolve dp_shard = -1 here so every later reader sees plain degrees.
@@ -35,11 +38,12 @@ class ParallelDims:
             if f.name != "dp_shard" and value < 1:
                 raise ParallelConfigError(f"parallelism.{f.name} = {value}: degrees must be >= 1.")
         if self.dp_shard == -1:
-            others = self.dp_replicate * self.cp * self.tp
+            others = self.pp * self.dp_replicate * self.cp * self.tp
             if self.world_size % others:
+                names, values = self._degree_names(("dp_replicate", "cp", "tp"))
                 raise ParallelConfigError(
                     f"cannot infer parallelism.dp_shard: world size {self.world_size} is not divisible by "
-                    f"dp_replicate * cp * tp = {self.dp_replicate} * {self.cp} * {self.tp} = {others}. "
+                    f"{names} = {values} = {others}. "
                     "Change those degrees or the number of ranks."
                 )
             return self.world_size // others
@@ -49,12 +53,17 @@ class ParallelDims:
             )
         return self.dp_shard
 
+    def _degree_names(self, names: tuple[str, ...]) -> tuple[str, str]:
+        """("pp * a * b", "2 * x * y"), pp named only when set, so pp = 1 messages read as before."""
+        names = (("pp",) if self.pp > 1 else ()) + names
+        return " * ".join(names), " * ".join(str(getattr(self, n)) for n in names)
+
     def _validate(self) -> None:
-        product = self.dp_replicate * self.dp_shard * self.cp * self.tp
+        product = self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
         if product != self.world_size:
+            names, values = self._degree_names(("dp_replicate", "dp_shard", "cp", "tp"))
             raise ParallelConfigError(
-                f"dp_replicate * dp_shard * cp * tp = {self.dp_replicate} * {self.dp_shard} * {self.cp} * "
-                f"{self.tp} = {product}, but the world size is {self.world_size}. Make the product equal "
+                f"{names} = {values} = {product}, but the world size is {self.world_size}. Make the product equal "
                 "the number of ranks, or set parallelism.dp_shard = -1 to infer it."
             )
         if self.etp not in (1, self.tp):
@@ -100,6 +109,15 @@ class ParallelDims:
     def efsdp(self) -> int:
         """Ranks FSDP shards expert parameters over: what is left of dp_shard x cp x tp after ep x etp."""
         return self.dp_shard * self.cp * self.tp // (self.ep * self.etp)
+
+    @property
+    def stage_world_size(self) -> int:
+        """Ranks of one pipeline stage: the world every other degree tiles."""
+        return self.world_size // self.pp
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
 
     @property
     def fsdp_enabled(self) -> bool:
