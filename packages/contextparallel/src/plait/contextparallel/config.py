@@ -21,9 +21,9 @@ class ContextParallelConfig:
     """Head-tail rounds (the trainer's `parallelism.cp_load_balance_rounds`): the sequence is cut into
     2 x cp x rounds chunks and every round j (chunks [2cp j, 2cp (j + 1))) is dealt head-tail, rank r
     taking its chunks r and 2cp-1-r. Causal work is exactly balanced for any value; raise it (2-4)
-    for document masking when documents are short relative to seq_len / cp, where one round leaves
-    the ranks 1.1-1.7x imbalanced (README table; 4 rounds: 1.03-1.07 on 8-row micro-batches). It
-    costs more, smaller kernel calls (about 2 per chunk a rank holds) and needs seq_len divisible
+    for document masking when documents are short relative to seq_len / cp: on a web-like mix one
+    round leaves max/mean work 1.07-1.24 on 8-row micro-batches (cp 2-8), 4 rounds 1.01-1.06 (README
+    table). It costs more, smaller kernel calls (at most 2 per chunk a rank holds) and needs seq_len divisible
     by 2 x cp x rounds. Contiguous sharding (load_balance=False) gives each rank 2 x rounds
     consecutive chunks: the same tokens and kernel calls as one round."""
 
