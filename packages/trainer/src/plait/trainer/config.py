@@ -127,6 +127,10 @@ class ParallelismConfig:
     """Replicated data-parallel degree (DDP / HSDP's replicate axis)."""
     dp_shard: int = -1
     """Sharded data-parallel degree (FSDP); -1 infers it as world_size / (dp_replicate * cp * tp)."""
+    pp: int = 1
+    """Pipeline-parallel degree, the outermost mesh axis. plait-train runs pp = 1 only for now: the
+    stages, schedules and mesh axis exist (plait-pipelineparallel, plait.mesh), the trainer's step
+    under them does not yet (issue 23)."""
     cp: int = 1
     """Context-parallel degree (needs plait-contextparallel)."""
     cp_method: Literal["allgather", "ring", "ulysses"] = "allgather"
@@ -136,6 +140,12 @@ class ParallelismConfig:
     cp_load_balance: bool = True
     """Under CP, shard each sequence head-tail (rank r holds chunks r and 2cp-1-r of 2cp) so every
     rank does the same causal attention work; false: contiguous shards."""
+    cp_load_balance_rounds: int = 1
+    """Head-tail sharding repeated in this many rounds (2 x cp x rounds chunks; rank r takes chunks r
+    and 2cp-1-r of every round). Causal work is balanced at 1; under model.attention_mask = "document"
+    with documents short relative to seq_len / cp, 2-4 rounds cut the per-rank work imbalance (web
+    text at seq 16K, 8 rows: max/mean 1.11-1.24 at 1 round, 1.03-1.06 at 4) for more, smaller kernel
+    calls; keep seq_len / (2 cp rounds) at a few hundred tokens or more."""
     tp: int = 1
     """Tensor-parallel degree (needs plait-tensorparallel)."""
     sequence_parallel: bool = True

@@ -337,6 +337,11 @@ def model_args_dict(model_args) -> dict:
 
 def _parallel_dims(config: Config, world_size: int) -> ParallelDims:
     p = config.parallelism
+    if p.pp != 1:
+        raise ConfigError(
+            f"parallelism.pp = {p.pp}: plait-train does not run pipeline parallel yet (issue 23); set "
+            "parallelism.pp = 1 and shard with dp_shard / tp / cp / ep instead."
+        )
     try:
         return ParallelDims(
             dp_replicate=p.dp_replicate,
@@ -471,7 +476,9 @@ def ep_config(ep_module, config: Config):
 def cp_config(cp_module, config: Config):
     """plait.contextparallel's config from the [parallelism] section."""
     p = config.parallelism
-    return cp_module.ContextParallelConfig(method=p.cp_method, load_balance=p.cp_load_balance)
+    return cp_module.ContextParallelConfig(
+        method=p.cp_method, load_balance=p.cp_load_balance, load_balance_rounds=p.cp_load_balance_rounds
+    )
 
 
 def tp_config(tp_module, config: Config):
