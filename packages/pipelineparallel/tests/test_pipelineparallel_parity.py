@@ -1,0 +1,151 @@
+"""Every schedule reproduces one process running the whole model: losses and every gradient.
+
+The plait Llama 3 debug model (2 or 4 layers, document masking on, some labels ignored) is split
+into stages; each rank holds its stages' copies, runs torch's schedule, and compares, two steps in
+a row (plain SGD in between), the loss on the last stage and the gradient of every parameter it
+holds with a whole-model reference computed in the same process on the same batch with the same
+normalisation (summed token loss / valid tokens). The parent checks that the ranks together
+covered every parameter of the model. One 2-rank spawn serves every schedule in turn.
+
+plait.models is a test-only dependency: the package itself never imports it.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+models = pytest.importorskip("plait.models.llama3", reason="the parity tests run the plait Llama 3 model")
+
+from plait.mesh import ParallelDims, build_meshes  # noqa: E402
+from plait.mesh.testing import run_on_ranks  # noqa: E402
+from plait.pipelineparallel import (  # noqa: E402
+    build_pipeline,
+    schedule_style,
+    split_stages,
+    validate_pipeline_parallel,
+)
+
+BATCH, SEQ, STEPS, LR = 4, 16, 2, 0.5
+IGNORE = -100
+
+# name -> (schedule, n_layers, virtual stages, layers_per_stage, micro-batches)
+CASES = {
+    "gpipe": ("GPipe", 2, 1, None, 2),
+    "1f1b": ("1F1B", 2, 1, None, 4),
+    "1f1b_uneven": ("1F1B", 4, 1, [1, 3], 2),
+    "interleaved_1f1b": ("Interleaved1F1B", 4, 2, None, 4),
+    "interleaved_zero_bubble": ("InterleavedZeroBubble", 4, 2, None, 4),
+    "zbv_zero_bubble": ("ZBVZeroBubble", 4, 2, None, 4),
+    "dualpipev_edge_only_stages": ("DualPipeV", 4, 2, [0, 2, 2, 0], 4),
+    "looped_bfs": ("LoopedBFS", 4, 2, None, 2),
+}
+
+
+def _model(n_layers: int):
+    args = copy.deepcopy(models.FLAVORS["debugmodel"])
+    args.n_layers, args.max_seq_len, args.attention_mask = n_layers, 2 * SEQ, "document"
+    torch.manual_seed(0)
+    model = models.Transformer(args)
+    model.init_weights()
+    return model
+
+
+def _batch(step: int):
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, 2048, (BATCH, SEQ + 1), generator=g)
+    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    labels[labels % 7 == 0] = IGNORE  # ignored labels: the normaliser is the valid count, not B x S
+    # Documents: each row cut at two random places; offsets restart at 0 at every document start.
+    document_positions = torch.empty(BATCH, SEQ, dtype=torch.int32)
+    for row in range(BATCH):
+        cuts = sorted(torch.randint(1, SEQ, (2,), generator=g).tolist())
+        start = 0
+        for end in cuts + [SEQ]:
+            document_positions[row, start:end] = torch.arange(end - start, dtype=torch.int32)
+            start = end
+    return inputs, labels, document_positions
+
+
+def _summed_loss(logits_BSV, labels_BS):
+    return F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten(), ignore_index=IGNORE, reduction="sum")
+
+
+def _sgd(params):
+    with torch.no_grad():
+        for p in params:
+            p -= LR * p.grad
+            p.grad = None
+
+
+def _run_case(rank, meshes, schedule, n_layers, virtual, layers_per_stage, n_mb):
+    reference = _model(n_layers)
+    info = reference.parallel_info()
+    validate_pipeline_parallel(info, 2, schedule, n_mb, layers_per_stage, virtual)
+    stages = split_stages(
+        reference, info, 2, meshes.pp_rank, layers_per_stage, virtual, schedule_style(schedule)
+    )
+    pipeline = build_pipeline(stages, meshes.pp.get_group(), schedule, n_mb, _summed_loss, "cpu")
+    ref_params = dict(reference.named_parameters())
+    checked, losses = set(), []
+    for step in range(STEPS):
+        inputs, labels, document_positions = _batch(step)
+        scale = 1.0 / (labels != IGNORE).sum().float()
+        # The second step passes explicit [S] positions, spaced unlike the default arange(S) (RoPE
+        # only sees differences): a stage that did not get them would attend differently.
+        positions = torch.arange(SEQ) * 2 if step == 1 else None
+        ref_logits = reference(inputs, positions=positions, document_positions=document_positions)
+        ref_loss = _summed_loss(ref_logits, labels) * scale
+        ref_loss.backward()
+        loss = pipeline.step(inputs, labels, scale=scale, positions=positions, document_positions=document_positions)
+        assert (loss is not None) == pipeline.has_last_stage
+        if loss is not None:
+            torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-5)
+            losses.append(loss.item())
+        for stage in stages:
+            for name, p in stage.module.named_parameters():
+                assert p.grad is not None, (schedule, stage.index, name)
+                torch.testing.assert_close(
+                    p.grad, ref_params[name].grad, rtol=1e-5, atol=1e-5,
+                    msg=lambda m, name=name, step=step: f"{schedule} step {step} {name}: {m}",
+                )
+                checked.add(name)
+        _sgd(ref_params.values())
+        _sgd([p for stage in stages for p in stage.module.parameters()])
+    return {
+        "stages": [s.index for s in stages],
+        "blocks": {s.index: s.blocks for s in stages},
+        "checked": sorted(checked),
+        "all": sorted(ref_params),
+        "losses": losses,
+    }
+
+
+def _parity_on_ranks(rank, world_size, cases):
+    meshes = build_meshes(ParallelDims(pp=world_size, dp_shard=1, world_size=world_size))
+    return {name: _run_case(rank, meshes, *case) for name, case in cases.items()}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_on_ranks(_parity_on_ranks, 2, CASES, timeout=600)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_schedule_matches_one_process(results, name):
+    schedule, n_layers, virtual, layers_per_stage, _ = CASES[name]
+    per_rank = [r[name] for r in results]
+    # Together the two ranks checked every parameter of the model (each rank asserted its own).
+    assert set().union(*(r["checked"] for r in per_rank)) == set(per_rank[0]["all"])
+    # Exactly one rank holds the last stage and reported a loss per step.
+    assert sum(len(r["losses"]) for r in per_rank) == STEPS
+    held = sorted(i for r in per_rank for i in r["stages"])
+    assert held == list(range(2 * virtual))
+    if schedule_style(schedule) == "v":
+        assert per_rank[0]["stages"] == [0, 3] and per_rank[1]["stages"] == [1, 2]
+    elif virtual == 2:
+        assert per_rank[0]["stages"] == [0, 2] and per_rank[1]["stages"] == [1, 3]
+    blocks = {i: b for r in per_rank for i, b in r["blocks"].items()}
+    counts = layers_per_stage or [n_layers // (2 * virtual)] * (2 * virtual)
+    assert [len(blocks[i]) for i in range(2 * virtual)] == counts
