@@ -124,13 +124,16 @@ def train(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """The benchmark suite (benchmarks/suite.py): plait vs torchtitan 0.3.0, profiles, scaling;
-    appends a dated section to benchmarks/RESULTS.md. Not part of the tests."""
+    appends a dated section to benchmarks/RESULTS.md; then document masking's bench
+    (benchmarks/bench_document_mask.py). Not part of the tests."""
     _install(session, ALL, extras="")
     # torchtitan next to the pinned torch (the constraint keeps pip from replacing it).
     constraints = pathlib.Path(session.create_tmp()) / "torch.txt"
     constraints.write_text(TORCH + "\n")
     session.install("-c", str(constraints), "torchtitan==0.3.0")
     session.run("python", "benchmarks/suite.py", *session.posargs)
+    # Document masking: causal vs document tokens/s (1 rank, CP 2), FLOPs skipped, CP imbalance.
+    session.run("python", "benchmarks/bench_document_mask.py", env={"OMP_NUM_THREADS": "1"})
 
 
 @nox.session

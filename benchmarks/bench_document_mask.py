@@ -56,7 +56,7 @@ def document_positions(segments: list[int], first_offset: int = 7) -> torch.Tens
     return torch.cat(pieces).int()[None]
 
 
-def _step_fn(rank, world_size, method, mask, seq_len, threads, segments):
+def _step_fn(rank, world_size, method, mask, seq_len, threads, segments, rounds=1):
     torch.set_num_threads(threads)
     extra = dict(attention_mask="document", rope_positions="document") if mask == "document" else {}
     args = dataclasses.replace(FLAVORS["debugmodel"], n_layers=2, max_seq_len=seq_len + 64, **extra)
@@ -69,7 +69,8 @@ def _step_fn(rank, world_size, method, mask, seq_len, threads, segments):
     if world_size > 1:
         meshes = build_meshes(ParallelDims(cp=world_size, dp_shard=1, world_size=world_size))
         layout = apply_context_parallel(
-            model, meshes.cp, model.parallel_info()["attention_modules"], ContextParallelConfig(method)
+            model, meshes.cp, model.parallel_info()["attention_modules"],
+            ContextParallelConfig(method, load_balance_rounds=rounds),
         )
         positions = layout.local_indices(rank, seq_len)
         if docs is not None:
@@ -86,8 +87,8 @@ def _step_fn(rank, world_size, method, mask, seq_len, threads, segments):
     return step
 
 
-def _throughput(rank, world_size, method, mask, seq_len, steps, threads, segments):
-    step = _step_fn(rank, world_size, method, mask, seq_len, threads, segments)
+def _throughput(rank, world_size, method, mask, seq_len, steps, threads, segments, rounds):
+    step = _step_fn(rank, world_size, method, mask, seq_len, threads, segments, rounds)
     step()  # warm-up
     times = []
     for _ in range(steps):
@@ -117,32 +118,35 @@ def main():
               f"({1 - doc_pairs / causal_pairs:.1%} skipped)\n")
         print("| layout | causal tok/s | document tok/s | document / causal |")
         print("| --- | ---: | ---: | ---: |")
-        configs = [(1, "none")] + [(2, m) for m in args.methods.split(",")]
-        for cp, method in configs:
+        configs = [(1, "none", 1)] + [(2, m, 1) for m in args.methods.split(",")] + [(2, "allgather", 4)]
+        for cp, method, rounds in configs:
             tps = {}
             for mask in ("causal", "document"):
                 threads = max(1, cores // cp)
-                times = run_on_ranks(_throughput, cp, method, mask, seq_len, args.steps, threads, segments,
+                times = run_on_ranks(_throughput, cp, method, mask, seq_len, args.steps, threads, segments, rounds,
                                      timeout=3600)
                 step_s = statistics.median(max(ts) for ts in zip(*times))
                 tps[mask] = seq_len / step_s
-            label = "1 rank" if cp == 1 else f"CP 2 {method}"
+            label = "1 rank" if cp == 1 else f"CP 2 {method}" + (f", {rounds} rounds" if rounds > 1 else "")
             print(f"| {label} | {tps['causal']:.0f} | {tps['document']:.0f} | "
                   f"{tps['document'] / tps['causal']:.2f} |", flush=True)
 
-        rows = packed_rows(seq_len, 64, seed=1)
-        print(f"\nAttention work per cp rank, max / mean over ranks (64 packed rows of seq {seq_len}):\n")
-        print("| cp | causal, head-tail | document, head-tail (ours) | document, contiguous | "
-              "document, per-document head-tail (torchtitan) |")
-        print("| ---: | ---: | ---: | ---: | ---: |")
-        one_doc = [[seq_len]] * len(rows)
+        batches = [packed_rows(seq_len, 8, seed=1 + i) for i in range(16)]
+        print(f"\nAttention work per cp rank, max / mean over ranks, mean (worst) over 16 micro-batches of 8 "
+              f"packed rows of seq {seq_len}:\n")
+        print("| cp | causal, head-tail | document, head-tail (ours) | document, head-tail 4 rounds (ours) | "
+              "document, contiguous | document, per-document head-tail (torchtitan) |")
+        print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+        one_doc = [[seq_len]] * 8
         for cp in (2, 4, 8):
-            causal = imbalance(attention_work(SequenceLayout(cp, True), one_doc, seq_len))
-            ours = imbalance(attention_work(SequenceLayout(cp, True), rows, seq_len))
-            contiguous = imbalance(attention_work(SequenceLayout(cp, False), rows, seq_len))
-            per_doc = imbalance(attention_work(PerDocumentHeadTail(cp), rows, seq_len))
-            print(f"| {cp} | {causal:.3f} | {ours:.3f} | {contiguous:.3f} | {per_doc:.3f} |", flush=True)
-
+            strategies = [(SequenceLayout(cp, True), True), (SequenceLayout(cp, True), False),
+                          (SequenceLayout(cp, True, rounds=4), False), (SequenceLayout(cp, False), False),
+                          (PerDocumentHeadTail(cp), False)]  # fmt: skip
+            cells = []
+            for layout, causal in strategies:
+                values = [imbalance(attention_work(layout, one_doc if causal else rows, seq_len)) for rows in batches]
+                cells.append(f"{statistics.mean(values):.3f} ({max(values):.2f})")
+            print(f"| {cp} | " + " | ".join(cells) + " |", flush=True)
 
 if __name__ == "__main__":
     main()
