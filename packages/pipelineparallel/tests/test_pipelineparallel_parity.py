@@ -149,3 +149,21 @@ def test_schedule_matches_one_process(results, name):
     blocks = {i: b for r in per_rank for i, b in r["blocks"].items()}
     counts = layers_per_stage or [n_layers // (2 * virtual)] * (2 * virtual)
     assert [len(blocks[i]) for i in range(2 * virtual)] == counts
+
+
+def test_meta_stages_materialise_and_partition_the_state_dict():
+    """The trainer's path: build on meta, split, then to_empty + init_weights per stage."""
+    args = copy.deepcopy(models.FLAVORS["debugmodel"])
+    args.n_layers = 4
+    with torch.device("meta"):
+        model = models.Transformer(args)
+    info = model.parallel_info()
+    stages = [s for r in range(2) for s in split_stages(model, info, 2, r, [1, 1, 1, 1], 2, "v")]
+    keys = []
+    for stage in stages:
+        stage.module.to_empty(device="cpu")
+        stage.module.init_weights()
+        assert not any(p.is_meta for p in stage.module.parameters())
+        assert not stage.module.rope_cos.is_meta  # root buffers live on every stage
+        keys += list(stage.module.state_dict())
+    assert sorted(keys) == sorted(model.state_dict()) and len(keys) == len(set(keys))
