@@ -7,6 +7,11 @@ holds with a whole-model reference computed in the same process on the same batc
 normalisation (summed token loss / valid tokens). The parent checks that the ranks together
 covered every parameter of the model. One 2-rank spawn serves every schedule in turn.
 
+The second step runs under the step sentinel with the document segments read on the host before
+it (as the trainer does): no host sync at all, so the segments followed the rows into every
+micro-batch on every stage and torch's schedules add none once started (their first step does:
+shape inference).
+
 plait.models is a test-only dependency: the package itself never imports it.
 """
 
@@ -19,6 +24,7 @@ import torch.nn.functional as F
 models = pytest.importorskip("plait.models.llama3", reason="the parity tests run the plait Llama 3 model")
 
 from plait.mesh import ParallelDims, build_meshes  # noqa: E402
+from plait.mesh.sentinel import StepSentinel  # noqa: E402
 from plait.mesh.testing import run_on_ranks  # noqa: E402
 from plait.pipelineparallel import (  # noqa: E402
     build_pipeline,
@@ -89,6 +95,8 @@ def _run_case(rank, meshes, schedule, n_layers, virtual, layers_per_stage, n_mb)
     pipeline = build_pipeline(stages, meshes.pp.get_group(), schedule, n_mb, _summed_loss, "cpu")
     ref_params = dict(reference.named_parameters())
     checked, losses = set(), []
+    sentinel = StepSentinel()
+    from plait.models.documents import row_segments
     for step in range(STEPS):
         inputs, labels, document_positions = _batch(step)
         scale = 1.0 / (labels != IGNORE).sum().float()
@@ -98,7 +106,13 @@ def _run_case(rank, meshes, schedule, n_layers, virtual, layers_per_stage, n_mb)
         ref_logits = reference(inputs, positions=positions, document_positions=document_positions)
         ref_loss = _summed_loss(ref_logits, labels) * scale
         ref_loss.backward()
-        loss = pipeline.step(inputs, labels, scale=scale, positions=positions, document_positions=document_positions)
+        if step == 1:
+            row_segments(document_positions)  # read on the host and cached on the tensor, as the trainer does
+            with sentinel:
+                loss = pipeline.step(inputs, labels, scale=scale, positions=positions, document_positions=document_positions)
+            assert sentinel.step_counts() == [(0, 0)], f"{schedule}: {sentinel.report()}"
+        else:
+            loss = pipeline.step(inputs, labels, scale=scale, positions=positions, document_positions=document_positions)
         assert (loss is not None) == pipeline.has_last_stage
         if loss is not None:
             torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-5)

@@ -8,6 +8,9 @@ the step's `scale`, so the per-micro-batch gradients add up to exactly the unpip
 
 Model keyword inputs (positions, document_positions) are passed on every rank and split along the
 batch dimension with the tokens, so every stage, not only the first, sees its micro-batch's.
+Document segments a caller read on the host and cached on its tensor (the plain-data attribute
+`_plait_document_segments`, one tuple per row; docs/contracts.md) follow the rows into the
+micro-batches, so no stage reads them back from the device.
 """
 
 from collections.abc import Callable
@@ -18,6 +21,9 @@ from torch.distributed.pipelining.schedules import get_schedule_class
 
 from .config import SCHEDULES, schedule_name
 from .split import Stage
+
+# Per-row document segments cached on a document-positions tensor (plain data, docs/contracts.md).
+SEGMENTS_ATTR = "_plait_document_segments"
 
 
 class ScaledLoss:
@@ -122,4 +128,29 @@ def build_pipeline(
         if len(pipeline_stages) != 1:
             raise ValueError(f"schedule {name} runs one stage per rank, got {len(pipeline_stages)}")
         runner = cls(pipeline_stages[0], n_microbatches=n_microbatches, loss_fn=loss, scale_grads=False)
+    _keep_row_attributes(runner)
     return Pipeline(stages, runner, loss, n_microbatches)
+
+
+def _keep_row_attributes(runner) -> None:
+    """Make the schedule's batch split carry cached per-row segments into each micro-batch.
+
+    torch splits keyword inputs with tensor_split, which makes new tensors without the cache; the
+    split is one private method (`_split_inputs`, torch 2.13), wrapped here on this instance only.
+    """
+    split = runner._split_inputs
+
+    def split_keeping_segments(args, kwargs=None):
+        args_split, kwargs_split = split(args, kwargs)
+        for name, value in (kwargs or {}).items():
+            segments = getattr(value, SEGMENTS_ATTR, None)
+            if segments is None:
+                continue
+            start = 0
+            for chunk in kwargs_split:
+                rows = chunk[name].shape[0]
+                setattr(chunk[name], SEGMENTS_ATTR, tuple(segments[start : start + rows]))
+                start += rows
+        return args_split, kwargs_split
+
+    runner._split_inputs = split_keeping_segments
