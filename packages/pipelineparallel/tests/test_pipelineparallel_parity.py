@@ -1,16 +1,16 @@
 """Every schedule reproduces one process running the whole model: losses and every gradient.
 
 The plait Llama 3 debug model (2 or 4 layers, document masking on, some labels ignored) is split
-into stages; each rank holds its stages' copies, runs torch's schedule, and compares, two steps in
-a row (plain SGD in between), the loss on the last stage and the gradient of every parameter it
+into stages; each rank holds its stages' copies, runs torch's schedule, and compares, three steps in
+a row (plain SGD and a validation `eval_step` in between), the loss on the last stage and the gradient of every parameter it
 holds with a whole-model reference computed in the same process on the same batch with the same
 normalisation (summed token loss / valid tokens). The parent checks that the ranks together
 covered every parameter of the model. One 2-rank spawn serves every schedule in turn.
 
-The second step runs under the step sentinel with the document segments read on the host before
+The third step runs under the step sentinel with the document segments read on the host before
 it (as the trainer does): no host sync at all, so the segments followed the rows into every
-micro-batch on every stage and torch's schedules add none once started (their first step does:
-shape inference).
+micro-batch on every stage and torch's schedules add none once started (their first step, and the
+first after an eval_step, do: shape inference sends shapes as Python objects).
 
 plait.models is a test-only dependency: the package itself never imports it.
 """
@@ -33,7 +33,7 @@ from plait.pipelineparallel import (  # noqa: E402
     validate_pipeline_parallel,
 )
 
-BATCH, SEQ, STEPS, LR = 4, 16, 2, 0.5
+BATCH, SEQ, STEPS, LR = 4, 16, 3, 0.5
 IGNORE = -100
 
 # name -> (schedule, n_layers, virtual stages, layers_per_stage, micro-batches)
@@ -106,7 +106,7 @@ def _run_case(rank, meshes, schedule, n_layers, virtual, layers_per_stage, n_mb)
         ref_logits = reference(inputs, positions=positions, document_positions=document_positions)
         ref_loss = _summed_loss(ref_logits, labels) * scale
         ref_loss.backward()
-        if step == 1:
+        if step == 2:
             row_segments(document_positions)  # read on the host and cached on the tensor, as the trainer does
             with sentinel:
                 loss = pipeline.step(inputs, labels, scale=scale, positions=positions, document_positions=document_positions)
@@ -127,6 +127,8 @@ def _run_case(rank, meshes, schedule, n_layers, virtual, layers_per_stage, n_mb)
                 checked.add(name)
         _sgd(ref_params.values())
         _sgd([p for stage in stages for p in stage.module.parameters()])
+        if step == 0:
+            _check_eval_step(pipeline, stages, reference)
     return {
         "stages": [s.index for s in stages],
         "blocks": {s.index: s.blocks for s in stages},
@@ -134,6 +136,20 @@ def _run_case(rank, meshes, schedule, n_layers, virtual, layers_per_stage, n_mb)
         "all": sorted(ref_params),
         "losses": losses,
     }
+
+
+def _check_eval_step(pipeline, stages, reference):
+    """Validation between two training steps: forward only, the same summed-and-scaled loss, no
+    gradient made (the next training step's parity shows it left the schedule intact)."""
+    inputs, labels, document_positions = _batch(STEPS)
+    scale = 1.0 / (labels != IGNORE).sum().float()
+    with torch.no_grad():
+        ref_val = _summed_loss(reference(inputs, document_positions=document_positions), labels) * scale
+    val = pipeline.eval_step(inputs, labels, scale=scale, document_positions=document_positions)
+    assert (val is not None) == pipeline.has_last_stage
+    if val is not None:
+        torch.testing.assert_close(val, ref_val, rtol=1e-5, atol=1e-5)
+    assert all(p.grad is None for stage in stages for p in stage.module.parameters())
 
 
 def _parity_on_ranks(rank, world_size, cases):

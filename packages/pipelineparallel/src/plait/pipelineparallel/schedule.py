@@ -13,6 +13,7 @@ Document segments a caller read on the host and cached on its tensor (the plain-
 micro-batches, so no stage reads them back from the device.
 """
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -40,8 +41,9 @@ class ScaledLoss:
 class Pipeline:
     """This rank's stages and the schedule that runs them; `step` is one forward + backward."""
 
-    def __init__(self, stages: list[Stage], schedule, loss: ScaledLoss, n_microbatches: int):
+    def __init__(self, stages: list[Stage], schedule, loss: ScaledLoss, n_microbatches: int, pipeline_stages=()):
         self.stages = stages
+        self.pipeline_stages = list(pipeline_stages)  # torch's PipelineStage per stage
         self.schedule = schedule
         self.loss = loss
         self.n_microbatches = n_microbatches
@@ -77,7 +79,8 @@ class Pipeline:
     @torch.no_grad()
     def eval_step(self, inputs_BS, labels_BS, scale=1.0, **model_kwargs) -> torch.Tensor | None:
         """Forward only (validation): the summed scaled loss on the last stage's rank, else None."""
-        return self._run(self.schedule.eval, inputs_BS, labels_BS, scale, model_kwargs)
+        with _no_local_backward_handoff(self.pipeline_stages):
+            return self._run(self.schedule.eval, inputs_BS, labels_BS, scale, model_kwargs)
 
     def _run(self, run, inputs_BS, labels_BS, scale, model_kwargs):
         self.loss.scale = scale
@@ -129,7 +132,22 @@ def build_pipeline(
             raise ValueError(f"schedule {name} runs one stage per rank, got {len(pipeline_stages)}")
         runner = cls(pipeline_stages[0], n_microbatches=n_microbatches, loss_fn=loss, scale_grads=False)
     _keep_row_attributes(runner)
-    return Pipeline(stages, runner, loss, n_microbatches)
+    return Pipeline(stages, runner, loss, n_microbatches, pipeline_stages)
+
+
+@contextlib.contextmanager
+def _no_local_backward_handoff(pipeline_stages):
+    """torch 2.13's eval() still walks a V schedule's backward actions, and where two adjacent
+    stages share a rank it hands the (absent) input gradient from one to the other, which asserts
+    a backward exists. Forward-only, there is nothing to hand over: make it a no-op meanwhile."""
+    for stage in pipeline_stages:
+        stage.get_local_bwd_output = lambda mb_index: ()
+        stage.set_local_bwd_input = lambda outputs, mb_index: None
+    try:
+        yield
+    finally:
+        for stage in pipeline_stages:
+            del stage.get_local_bwd_output, stage.set_local_bwd_input
 
 
 def _keep_row_attributes(runner) -> None:
