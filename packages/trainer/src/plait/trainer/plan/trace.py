@@ -1,0 +1,218 @@
+"""One training step of one micro-batch for rank 0 of a layout, traced without real data.
+
+The trainer's own path runs: the meshes of the full world under a fake process group (torch's
+`FakeStore` + backend "fake": every collective returns at once and moves nothing), `parallelize`
+(the same tensor / context / expert / data parallel calls as plait-train) with every tensor a
+FakeTensor (shapes, dtypes and storages, no memory), then `Trainer.train_step` itself on a
+micro-batch of zeros. Around it, torch's MemTracker records memory by kind and the planner's
+CollectiveCounter records every collective. `trace_step` works the same on a real process group
+(a measured run), so the two are compared field by field.
+"""
+
+import contextlib
+import dataclasses
+import io
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from .collectives import CollectiveCounter, axis_names
+from .fake_shims import FakeStepShims, balanced_rows
+
+MICRO = "micro_batch"  # collectives of one micro-batch's forward + backward (repeat per micro-batch)
+STEP = "step"  # once per step: the token count, gradient clipping, the optimizer, MoE bookkeeping
+
+
+class PeakTracker(MemTracker):
+    """MemTracker that also remembers where the peak was reached: the innermost module and
+    whether in forward or backward (torch's tracker keeps only per-module peaks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.peak_where = ("", "")
+
+    def _update_peak_stats(self, peak_state) -> None:
+        before = dict(self._peak_mem)
+        super()._update_peak_stats(peak_state)
+        if self._peak_mem != before:
+            parents = [p for p in self._mod_tracker.parents if p != "Global"]
+            innermost = max(parents, key=lambda p: p.count(".")) if parents else "(outside any module: the loss)"
+            phase = "backward" if self._mod_tracker.is_bw else ("optimizer" if self._in_opt else "forward")
+            self.peak_where = (innermost, phase)
+
+
+@dataclass
+class StepTrace:
+    """What one traced (or measured) step of rank 0 did."""
+
+    params: int  # bytes of the parameters this rank holds (local shards)
+    grads: int  # bytes of their gradients after the step's backward
+    optimizer: int  # bytes of the optimizer state after the step
+    activations: int  # bytes alive for backward when the loss is computed (the logits included)
+    logits: int  # bytes of the logits this rank computes
+    peak: int  # highest memory of the step (MemTracker: parameters + gradients + state + activations + temporaries)
+    peak_module: str  # the innermost module running at the peak
+    peak_phase: str  # forward, backward or optimizer
+    peak_parts: dict = field(default_factory=dict)  # MemTracker's categories at the peak
+    collectives: dict = field(default_factory=dict)  # (axis, kind) -> {bytes, count, ranks}, per step
+    micro_batch_tokens: int = 0
+    host_syncs: int = 0  # expert-parallel dispatch syncs of the step (the dispatchers' own count)
+    host_reads: int = 0  # scalars a plan had to assume (balanced routing); 0 for a measured step
+
+
+def _local_bytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        local = t.to_local() if hasattr(t, "to_local") else t
+        total += local.numel() * local.element_size()
+    return total
+
+
+def _storage_total(snapshot: dict) -> dict:
+    parts: dict[str, int] = {}
+    for per_device in snapshot.values():
+        for key, value in per_device.items():
+            name = getattr(key, "value", str(key))  # "Parameter", "Activation", ... ("Total")
+            parts[name] = parts.get(name, 0) + value
+    return parts
+
+
+def trainer_for_step(config, plan, meshes, pm, optimizer, scheduler, device):
+    """A Trainer holding just what `train_step` reads (no data loader, checkpointer or lock)."""
+    from ..moe_step import MoEStep
+    from ..train import Trainer, cross_entropy_loss
+
+    trainer = Trainer.__new__(Trainer)
+    trainer.config, trainer.plan, trainer.meshes, trainer.device = config, plan, meshes, device
+    trainer.pm, trainer.model = pm, pm.model
+    trainer.optimizer, trainer.scheduler = optimizer, scheduler
+    trainer.moe = MoEStep.for_model(pm.inner, plan.model_args, meshes, pm.dispatchers)
+    trainer.loss_context = trainer._loss_context_factory()
+    trainer.loss_fn = cross_entropy_loss
+    return trainer
+
+
+def micro_batch(config, seq_len: int | None = None):
+    """One [local_batch_size, seq_len] micro-batch: token 0 everywhere, one document per row."""
+    t = config.training
+    seq_len = seq_len or t.seq_len
+    tokens_BS = torch.zeros(t.local_batch_size, seq_len, dtype=torch.long)
+    documents_BS = torch.arange(seq_len, dtype=torch.int32).expand(t.local_batch_size, seq_len).contiguous()
+    return tokens_BS, tokens_BS.clone(), documents_BS
+
+
+def measure_step(trainer, micro_batches, accumulation: int = 1) -> StepTrace:
+    """Run `trainer.train_step(micro_batches)` under the memory tracker and the collective counter
+    (rank-local; every rank of a real run calls it, rank 0's answer is the one compared)."""
+    counter = CollectiveCounter(axis_names(trainer.meshes))
+    tracker = PeakTracker()
+    inner = trainer.pm.inner
+    tracker.track_external(inner, trainer.optimizer)
+    seen = {}
+
+    original_context, original_loss = trainer.loss_context, trainer.loss_fn
+
+    @contextlib.contextmanager
+    def micro_batch_phase():
+        counter.phase = MICRO
+        if seen.get("micro_batches"):
+            tracker.reset_mod_stats()  # the next micro-batch runs the same modules again
+        seen["micro_batches"] = seen.get("micro_batches", 0) + 1
+        try:
+            with original_context():
+                yield
+        finally:
+            counter.phase = STEP
+
+    def loss_fn(logits_BSV, labels_BS):
+        # After the model's forward: what is alive now is kept for backward (the logits included).
+        if "activations" not in seen:
+            parts = _storage_total(tracker.get_tracker_snapshot("current"))
+            seen["activations"] = parts.get("Activation", 0)
+            seen["logits"] = _local_bytes([logits_BSV])
+        return original_loss(logits_BSV, labels_BS)
+
+    trainer.loss_context, trainer.loss_fn = micro_batch_phase, loss_fn
+    grads = {}
+
+    def keep_grads(optimizer, args, kwargs):
+        grads["bytes"] = _local_bytes(p.grad for p in inner.parameters())
+
+    hook = trainer.optimizer.register_step_pre_hook(keep_grads)
+    dispatchers = list((trainer.pm.dispatchers or {}).values())
+    syncs_before = sum(getattr(d, "host_syncs", 0) for d in dispatchers)
+    try:
+        with tracker, counter:
+            trainer.train_step(micro_batches)
+    finally:
+        hook.remove()
+        trainer.loss_context, trainer.loss_fn = original_context, original_loss
+    peak = tracker.get_tracker_snapshot("peak")
+    optimizer_bytes = _local_bytes(v for s in trainer.optimizer.state.values() for v in s.values()
+                                   if isinstance(v, torch.Tensor) and v.dim() > 0)
+    t = trainer.config.training
+    return StepTrace(
+        params=_local_bytes(inner.parameters()),
+        grads=grads.get("bytes", 0),
+        optimizer=optimizer_bytes,
+        activations=seen.get("activations", 0),
+        logits=seen.get("logits", 0),
+        peak=max((v for v in tracker._peak_mem.values()), default=0),
+        peak_module=tracker.peak_where[0],
+        peak_phase=tracker.peak_where[1],
+        peak_parts={k: v for k, v in _storage_total(peak).items() if k != "Total"},
+        collectives={f"{axis}/{kind}": row for (axis, kind), row in counter.totals({MICRO: accumulation}).items()},
+        micro_batch_tokens=t.local_batch_size * t.seq_len,
+        host_syncs=(sum(getattr(d, "host_syncs", 0) for d in dispatchers) - syncs_before) * accumulation,
+    )
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int):
+    """A fake process group of `world_size` ranks in which this process is rank 0."""
+    if world_size == 1:
+        yield
+        return
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("plait-plan needs a process without a process group (it makes a fake one).")
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def trace_step(config, plan) -> StepTrace:
+    """Rank 0's step of the validated `plan` under a fake world of plan.dims.world_size ranks."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from plait.mesh import build_meshes
+
+    from ..lr_scheduler import build_lr_scheduler
+    from ..optimizer import build_optimizer
+    from ..parallelize import parallelize
+
+    device = torch.device("cpu")
+    # Built on the meta device (init_weights' data-dependent checks cannot run on fake tensors),
+    # then given fake storage: the parameters FSDP and DTensor hold keep their placements.
+    plan = dataclasses.replace(plan, full_init=False)
+    with fake_world(plan.dims.world_size):
+        meshes = build_meshes(plan.dims, device.type)  # real mesh tensors, fake groups
+        # parallelize warns that sharded init on CPU draws equal numbers per shard: true, and
+        # irrelevant to fake tensors.
+        with contextlib.redirect_stdout(io.StringIO()):
+            pm = parallelize(config, plan, meshes, torch.device("meta"))
+        with FakeTensorMode(allow_non_fake_inputs=True), FakeStepShims(balanced_rows(config, plan)) as reads:
+            pm.inner.to_empty(device=device)
+            optimizer = build_optimizer(pm.inner, config.optimizer, device)
+            scheduler = build_lr_scheduler(optimizer, config.training.steps, config.lr_scheduler)
+            trainer = trainer_for_step(config, plan, meshes, pm, optimizer, scheduler, device)
+            traced = measure_step(trainer, [micro_batch(config)], config.training.gradient_accumulation_steps)
+    traced.host_reads = reads.reads * config.training.gradient_accumulation_steps
+    return traced
