@@ -79,3 +79,23 @@ def _overrides(args: list[str]) -> dict:
     from plait.trainer.cli import parse_args
 
     return parse_args(args).overrides
+
+
+
+def test_validation_runs_document_masked(tmp_path, monkeypatch):
+    """The validation loss goes through the same masked forward (documents reach attention)."""
+    path = tmp_path / "short.jsonl"
+    path.write_text("".join(json.dumps({"text": f"Note {i}: now is better than never. " * (1 + i % 3)}) + "\n"
+                            for i in range(100)))
+    seen = []
+    forward = Trainer._forward
+
+    def recording(self, tokens_BS, positions, documents_BS):
+        seen.append((torch.is_grad_enabled(), documents_BS is not None))
+        return forward(self, tokens_BS, positions, documents_BS)
+
+    monkeypatch.setattr(Trainer, "_forward", recording)
+    train_in_process(tmp_path / "val", *SMALL, *DOCS, "--data.dataset", "json", "--data.dataset_path", str(path),
+                     "--data.val_dataset", "json", "--data.val_interval", "2", "--data.val_steps", "1")
+    assert (False, True) in seen  # a no-grad (validation) forward with document positions
+    assert all(documents for _, documents in seen)
