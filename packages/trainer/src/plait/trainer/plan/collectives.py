@@ -99,13 +99,14 @@ def wire_factor(kind: str, n: int) -> float:
 
 class CollectiveCounter(TorchDispatchMode):
     """`with CollectiveCounter(axis_names(meshes)) as c:` -> c.counts[(phase, axis, kind)] =
-    [bytes, calls, group size]. `phase` is whatever `c.phase` was set to when the collective ran."""
+    [bytes, calls, group size, rank span]. `phase` is whatever `c.phase` was set to when the collective ran."""
 
     def __init__(self, group_axes: dict[str, str]):
         super().__init__()
         self.group_axes = group_axes
         self.phase = "step"
-        self.counts: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0, 0])
+        self.counts: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+        self._spans: dict[str, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):
@@ -123,15 +124,25 @@ class CollectiveCounter(TorchDispatchMode):
             row[0] += size
             row[1] += 1
             row[2] = group.size()
+            row[3] = self._span(group)
         return out
 
+    def _span(self, group) -> int:
+        """How many consecutive global ranks the group covers (1 + last - first)."""
+        if group.group_name not in self._spans:
+            import torch.distributed as dist
+
+            ranks = dist.get_process_group_ranks(group)
+            self._spans[group.group_name] = max(ranks) - min(ranks) + 1
+        return self._spans[group.group_name]
+
     def totals(self, repeat: dict[str, int] | None = None) -> dict[tuple[str, str], dict]:
-        """(axis, kind) -> {bytes, count, ranks}, each phase's counts times repeat[phase] (default 1)."""
+        """(axis, kind) -> {bytes, count, ranks, span}, each phase's counts times repeat[phase] (default 1)."""
         repeat = repeat or {}
         result: dict[tuple[str, str], dict] = {}
-        for (phase, axis, kind), (size, calls, ranks) in self.counts.items():
+        for (phase, axis, kind), (size, calls, ranks, span) in self.counts.items():
             r = repeat.get(phase, 1)
-            row = result.setdefault((axis, kind), {"bytes": 0, "count": 0, "ranks": ranks})
+            row = result.setdefault((axis, kind), {"bytes": 0, "count": 0, "ranks": ranks, "span": span})
             row["bytes"] += size * r
             row["count"] += calls * r
         return dict(sorted(result.items()))

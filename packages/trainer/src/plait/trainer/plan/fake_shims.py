@@ -2,8 +2,8 @@
 
 Host reads. A fake tensor has no values, so a host read (`.item()`, `.tolist()`: the dropless expert-parallel
 dispatch's split sizes, one read per MoE layer per forward) cannot be answered from the data. The
-planner answers it with the balanced case: every ep rank sends and receives tokens x top_k / ep
-rows. Real routing is uneven, so the dropless all-to-all bytes of a plan are the balanced figure
+planner answers it with the balanced case: the dispatched rows split evenly over the ep ranks,
+both ways. Real routing is uneven, so the dropless all-to-all bytes of a plan are the balanced figure
 (capacity mode, `parallelism.expert_capacity_factor > 0`, has fixed sizes and is exact). Every
 read is counted.
 
@@ -18,30 +18,35 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class FakeStepShims(TorchDispatchMode):
-    def __init__(self, rows_per_ep_rank: int):
+    def __init__(self):
         super().__init__()
-        self.rows_per_ep_rank = rows_per_ep_rank
+        self.answers: list[int] = []  # the values the next host reads return, in order
         self.reads = 0  # scalars read back (a .tolist() of n values reads n)
+
+    def balance(self, dispatcher) -> None:
+        """Answer `dispatcher`'s split-size read (counts_RE.sum(1), received_RE.sum(1) of the rows
+        it is given) with balanced routing: the rows split as evenly as they go over the ep ranks."""
+        dispatch = dispatcher.dispatch
+
+        def balanced_dispatch(x_ND, num_tokens_per_expert_E, *args, **kwargs):
+            rows, ep = x_ND.shape[0], dispatcher.ep
+            even = [rows // ep + (1 if i < rows % ep else 0) for i in range(ep)]
+            self.answers = even + even
+            return dispatch(x_ND, num_tokens_per_expert_E, *args, **kwargs)
+
+        dispatcher.dispatch = balanced_dispatch
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
             self.reads += 1
-            if args[0].dtype.is_floating_point or args[0].dtype == torch.bool:
+            if not self.answers:
                 raise NotImplementedError(
-                    "plait-plan: the step reads a float or bool value back to the host, which a plan cannot "
-                    "know; only the expert-parallel split sizes are assumed (balanced)."
+                    "plait-plan: the step reads a value back to the host that a plan cannot know; only the "
+                    "expert-parallel dispatch's split sizes are assumed (balanced)."
                 )
-            return self.rows_per_ep_rank
+            return self.answers.pop(0)
         if func is torch.ops.aten._grouped_mm.default and args[0].dtype == torch.float32:
             a, b, *rest = args
             return func(a.bfloat16(), b.bfloat16(), *rest, **(kwargs or {})).float()
         return func(*args, **(kwargs or {}))
 
-
-def balanced_rows(config, plan) -> int:
-    """tokens x top_k / ep: the rows one rank sends to (and receives from) each ep rank when
-    routing is balanced."""
-    t = config.training
-    tokens = t.local_batch_size * t.seq_len // plan.dims.cp
-    top_k = max((getattr(m, "top_k", 0) for m in plan.model.modules()), default=0) or 1
-    return tokens * top_k // max(plan.dims.ep, 1)

@@ -18,8 +18,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from plait.models.documents import row_segments
+
 from .collectives import CollectiveCounter, axis_names
-from .fake_shims import FakeStepShims, balanced_rows
+from .fake_shims import FakeStepShims
 
 MICRO = "micro_batch"  # collectives of one micro-batch's forward + backward (repeat per micro-batch)
 STEP = "step"  # once per step: the token count, gradient clipping, the optimizer, MoE bookkeeping
@@ -97,11 +99,14 @@ def trainer_for_step(config, plan, meshes, pm, optimizer, scheduler, device):
 
 
 def micro_batch(config, seq_len: int | None = None):
-    """One [local_batch_size, seq_len] micro-batch: token 0 everywhere, one document per row."""
+    """One [local_batch_size, seq_len] micro-batch: token 0 everywhere, one document per row.
+    Real CPU tensors (make them outside FakeTensorMode)."""
     t = config.training
     seq_len = seq_len or t.seq_len
     tokens_BS = torch.zeros(t.local_batch_size, seq_len, dtype=torch.long)
     documents_BS = torch.arange(seq_len, dtype=torch.int32).expand(t.local_batch_size, seq_len).contiguous()
+    # Segments read now, on the host, as the trainer does before a step (a fake step cannot read them).
+    row_segments(documents_BS)
     return tokens_BS, tokens_BS.clone(), documents_BS
 
 
@@ -208,11 +213,16 @@ def trace_step(config, plan) -> StepTrace:
         # irrelevant to fake tensors.
         with contextlib.redirect_stdout(io.StringIO()):
             pm = parallelize(config, plan, meshes, torch.device("meta"))
-        with FakeTensorMode(allow_non_fake_inputs=True), FakeStepShims(balanced_rows(config, plan)) as reads:
+        batch = micro_batch(config)
+        shims = FakeStepShims()
+        for dispatcher in (pm.dispatchers or {}).values():
+            if hasattr(dispatcher, "ep"):
+                shims.balance(dispatcher)
+        with FakeTensorMode(allow_non_fake_inputs=True), shims:
             pm.inner.to_empty(device=device)
             optimizer = build_optimizer(pm.inner, config.optimizer, device)
             scheduler = build_lr_scheduler(optimizer, config.training.steps, config.lr_scheduler)
             trainer = trainer_for_step(config, plan, meshes, pm, optimizer, scheduler, device)
-            traced = measure_step(trainer, [micro_batch(config)], config.training.gradient_accumulation_steps)
-    traced.host_reads = reads.reads * config.training.gradient_accumulation_steps
+            traced = measure_step(trainer, [batch], config.training.gradient_accumulation_steps)
+    traced.host_reads = shims.reads * config.training.gradient_accumulation_steps
     return traced

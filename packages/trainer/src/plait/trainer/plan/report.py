@@ -1,0 +1,105 @@
+"""A plan from a traced step: memory against the device, communication time, FLOPs and the ideal
+step time; printed as a compact table or written as JSON."""
+
+from dataclasses import asdict
+
+from .collectives import wire_factor
+from .devices import GIB, Device, link_gb_s
+
+HEADROOM = 0.10  # a plan fits when its peak leaves 10% of the device's memory free
+
+
+def build_report(config, plan, traced, device: Device, device_memory_gib: float, analytic) -> dict:
+    """Everything plait-plan prints, as plain data (the JSON of --plan.json)."""
+    t, dims = config.training, plan.dims
+    accumulation = t.gradient_accumulation_steps
+    # A rank computes 1 / (tp x cp) of each of its sequences (the trainer's metrics count it so).
+    tokens_per_rank = t.local_batch_size * t.seq_len * accumulation / (dims.tp * dims.cp)
+    flops = plan.model.flops_per_token(t.seq_len) * tokens_per_rank
+    compute_s = flops / (device.bf16_tflops * 1e12)
+    comm = []
+    for key, row in traced.collectives.items():
+        axis, kind = key.split("/")
+        wire = row["bytes"] * wire_factor(kind, row["ranks"])
+        gb_s = link_gb_s(device, row["span"])
+        comm.append({"axis": axis, "kind": kind, "count": row["count"], "bytes": row["bytes"], "ranks": row["ranks"],
+                     "link": "nvlink" if gb_s == device.nvlink_gb_s else "ib", "seconds": wire / (gb_s * 1e9)})
+    comm_s = sum(c["seconds"] for c in comm)
+    limit = device_memory_gib * GIB * (1 - HEADROOM)
+    return {
+        "config": f"{config.model.name} {config.model.flavor}",
+        "layout": {**asdict(dims), "efsdp": dims.efsdp if dims.ep > 1 else None},
+        "micro_batch": [t.local_batch_size, t.seq_len],
+        "gradient_accumulation_steps": accumulation,
+        "activation_checkpoint": t.activation_checkpoint,
+        "dtype": t.dtype,
+        "memory": {
+            "parameters": traced.params, "gradients": traced.grads, "optimizer": traced.optimizer,
+            "activations": traced.activations, "logits": traced.logits, "peak": traced.peak,
+            "peak_at": {"module": traced.peak_module, "phase": traced.peak_phase}, "peak_parts": traced.peak_parts,
+        },
+        "analytic_estimate": analytic,
+        "fits": traced.peak <= limit,
+        "device_memory_gib": device_memory_gib,
+        "usable_gib": limit / GIB,
+        "communication": comm,
+        "host_syncs": traced.host_syncs,
+        "flops_per_rank": flops,
+        "compute_seconds": compute_s,
+        "communication_seconds": comm_s,
+        "ideal_step_seconds": max(compute_s, comm_s),
+        "serial_step_seconds": compute_s + comm_s,
+        "assumptions": [
+            device.assumptions(),
+            "FLOPs: the model's flops_per_token (6 x params + attention; activation-checkpoint recompute not counted)",
+            "memory: torch's MemTracker over one traced step (parameters, gradients, optimizer state, activations, "
+            "temporaries); no CUDA context, allocator fragmentation or NCCL buffers",
+            "dropless expert parallel: balanced routing (each MoE layer's rows split evenly over the ep ranks)",
+            "training.compile is traced eagerly",
+        ],
+    }
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:8.2f}"
+
+
+def format_report(r: dict) -> str:
+    m = r["memory"]
+    layout = ", ".join(f"{k} {v}" for k, v in r["layout"].items() if k != "world_size" and v not in (None, 1))
+    lines = [
+        f"plait-plan: {r['config']} on {r['layout']['world_size']} ranks ({layout or 'one rank'}), micro-batch "
+        f"{r['micro_batch'][0]} x {r['micro_batch'][1]} x {r['gradient_accumulation_steps']} accumulation, "
+        f"AC {r['activation_checkpoint']}, {r['dtype']}",
+        "",
+        "memory per rank (GiB)        traced  analytic",
+    ]
+    a = r["analytic_estimate"]
+    rows = [("parameters", m["parameters"], None), ("gradients", m["gradients"], None),
+            ("optimizer state", m["optimizer"], None), ("model state (sum)", m["parameters"] + m["gradients"] +
+            m["optimizer"], a["model state"]), ("activations (+ logits)", m["activations"], a["activations"] +
+            a["logits"]), ("  of which logits", m["logits"], a["logits"]), ("FSDP unsharded units", None,
+            a["FSDP unsharded units"]), ("peak", m["peak"], sum(a.values()))]
+    for name, traced, analytic in rows:
+        lines.append(f"  {name:24s}{_gib(traced) if traced is not None else '       -'}"
+                     f"{_gib(analytic) if analytic is not None else '        -'}")
+    verdict = "fits" if r["fits"] else "DOES NOT FIT"
+    lines += [
+        f"  peak in {m['peak_at']['module']} ({m['peak_at']['phase']}); {verdict} in {r['device_memory_gib']:.1f} GiB "
+        f"with 10% headroom ({r['usable_gib']:.1f} GiB usable)",
+        "",
+        "communication per step      count        GiB  link        ms",
+    ]
+    for c in r["communication"]:
+        lines.append(f"  {c['axis'] + ' ' + c['kind']:24s}{c['count']:7d} {_gib(c['bytes'])}  {c['link']:6s}"
+                     f"{c['seconds'] * 1e3:8.2f}")
+    if not r["communication"]:
+        lines.append("  none (one rank)")
+    lines += [
+        "",
+        f"FLOPs per rank per step {r['flops_per_rank']:.3e}: compute {r['compute_seconds'] * 1e3:.2f} ms, "
+        f"communication {r['communication_seconds'] * 1e3:.2f} ms, ideal step {r['ideal_step_seconds'] * 1e3:.2f} ms "
+        f"(no overlap {r['serial_step_seconds'] * 1e3:.2f} ms); host syncs per step {r['host_syncs']}",
+        "assumptions: " + "; ".join(r["assumptions"]),
+    ]
+    return "\n".join(lines)
