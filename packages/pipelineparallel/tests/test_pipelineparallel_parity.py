@@ -152,14 +152,62 @@ def _check_eval_step(pipeline, stages, reference):
     assert all(p.grad is None for stage in stages for p in stage.module.parameters())
 
 
-def _parity_on_ranks(rank, world_size, cases):
+# A loss term the blocks leave behind (like MoE balance losses): each block's forward stores one;
+# the pipeline ties every stage's into its output. name -> (schedule, n_layers, virtual, micro-batches)
+AUX_CASES = {
+    "aux_gpipe": ("GPipe", 2, 1, 2),
+    "aux_1f1b": ("1F1B", 4, 1, 4),
+    "aux_zbv_zero_bubble": ("ZBVZeroBubble", 4, 2, 4),
+}
+AUX_COEFF = 0.3
+
+
+def _store_block_aux(block, args, output):
+    block.aux = (output.float() ** 2).mean() * AUX_COEFF
+
+
+def _collect_aux(module):
+    aux = [layer.__dict__.pop("aux") for layer in module.layers.values() if "aux" in layer.__dict__]
+    return torch.stack(aux).sum() if aux else 0.0
+
+
+def _aux_case(meshes, schedule, n_layers, virtual, n_mb):
+    reference = _model(n_layers)
+    for layer in reference.layers.values():
+        layer.register_forward_hook(_store_block_aux)  # deep-copied with the stages
+    stages = split_stages(reference, reference.parallel_info(), 2, meshes.pp_rank, None, virtual,
+                          schedule_style(schedule))
+    pipeline = build_pipeline(stages, meshes.pp.get_group(), schedule, n_mb, _summed_loss, "cpu",
+                              aux_loss=lambda module: _collect_aux(module) / n_mb)
+    inputs, labels, documents = _batch(0)
+    scale = 1.0 / (labels != IGNORE).sum().float()
+    # The reference accumulates over the same micro-batches: the aux term is per micro-batch.
+    for rows in torch.arange(BATCH).tensor_split(n_mb):
+        logits = reference(inputs[rows], document_positions=documents[rows])
+        (_summed_loss(logits, labels[rows]) * scale + _collect_aux(reference) / n_mb).backward()
+    pipeline.step(inputs, labels, scale=scale, document_positions=documents)
+    ref_params = dict(reference.named_parameters())
+    checked = []
+    for stage in stages:
+        for name, p in stage.module.named_parameters():
+            torch.testing.assert_close(
+                p.grad, ref_params[name].grad, rtol=1e-5, atol=1e-5,
+                msg=lambda m, name=name: f"{schedule} with aux loss {name}: {m}",
+            )
+            checked.append(name)
+    return checked
+
+
+def _parity_on_ranks(rank, world_size, cases, aux_cases):
     meshes = build_meshes(ParallelDims(pp=world_size, dp_shard=1, world_size=world_size))
-    return {name: _run_case(rank, meshes, *case) for name, case in cases.items()}
+    out = {name: _run_case(rank, meshes, *case) for name, case in cases.items()}
+    out.update({name: _aux_case(meshes, *case) for name, case in aux_cases.items()})
+    return out
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run_on_ranks(_parity_on_ranks, 2, CASES, timeout=600)
+    return run_on_ranks(_parity_on_ranks, 2, CASES, AUX_CASES, timeout=600)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -179,6 +227,13 @@ def test_schedule_matches_one_process(results, name):
     blocks = {i: b for r in per_rank for i, b in r["blocks"].items()}
     counts = layers_per_stage or [n_layers // (2 * virtual)] * (2 * virtual)
     assert [len(blocks[i]) for i in range(2 * virtual)] == counts
+
+
+@pytest.mark.parametrize("name", list(AUX_CASES))
+def test_stage_aux_losses_reach_their_gradients(results, name):
+    """Each rank asserted its gradients with the aux term; together they covered every parameter."""
+    checked = set(results[0][name]) | set(results[1][name])
+    assert checked == set(dict(_model(AUX_CASES[name][1]).named_parameters()))
 
 
 def test_meta_stages_materialise_and_partition_the_state_dict():
