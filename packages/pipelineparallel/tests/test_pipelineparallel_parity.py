@@ -1,11 +1,12 @@
 """Every schedule reproduces one process running the whole model: losses and every gradient.
 
 The plait Llama 3 debug model (2 or 4 layers, document masking on, some labels ignored) is split
-into stages; each rank holds its stages' copies, runs torch's schedule, and compares, three steps in
-a row (plain SGD and a validation `eval_step` in between), the loss on the last stage and the gradient of every parameter it
-holds with a whole-model reference computed in the same process on the same batch with the same
-normalisation (summed token loss / valid tokens). The parent checks that the ranks together
-covered every parameter of the model. One 2-rank spawn serves every schedule in turn.
+into stages; each rank holds its stages' copies, runs torch's schedule, and compares, three steps
+in a row (plain SGD and a validation `eval_step` in between), the loss on the last stage and the
+gradient of every parameter it holds with a whole-model reference computed in the same process on
+the same batch with the same normalisation (summed token loss / valid tokens). The parent checks
+that the ranks together covered every parameter of the model. One 2-rank spawn serves every
+schedule in turn, and the aux-loss cases; one 4-rank spawn serves PP 2 x FSDP 2.
 
 The third step runs under the step sentinel with the document segments read on the host before
 it (as the trainer does): no host sync at all, so the segments followed the rows into every
