@@ -6,7 +6,7 @@ in a row (plain SGD and a validation `eval_step` in between), the loss on the la
 gradient of every parameter it holds with a whole-model reference computed in the same process on
 the same batch with the same normalisation (summed token loss / valid tokens). The parent checks
 that the ranks together covered every parameter of the model. One 2-rank spawn serves every
-schedule in turn, and the aux-loss cases; one 4-rank spawn serves PP 2 x FSDP 2.
+schedule in turn, and the aux-loss cases; one 4-rank spawn serves PP 2 x FSDP 2 and PP 4.
 
 The third step runs under the step sentinel with the document segments read on the host before
 it (as the trainer does): no host sync at all, so the segments followed the rows into every
@@ -89,9 +89,10 @@ def _sgd(params):
 def _run_case(rank, meshes, schedule, n_layers, virtual, layers_per_stage, n_mb):
     reference = _model(n_layers)
     info = reference.parallel_info()
-    validate_pipeline_parallel(info, 2, schedule, n_mb, layers_per_stage, virtual)
+    pp = meshes.pp_degree
+    validate_pipeline_parallel(info, pp, schedule, n_mb, layers_per_stage, virtual)
     stages = split_stages(
-        reference, info, 2, meshes.pp_rank, layers_per_stage, virtual, schedule_style(schedule)
+        reference, info, pp, meshes.pp_rank, layers_per_stage, virtual, schedule_style(schedule)
     )
     pipeline = build_pipeline(stages, meshes.pp.get_group(), schedule, n_mb, _summed_loss, "cpu")
     ref_params = dict(reference.named_parameters())
@@ -312,15 +313,31 @@ def _fsdp_case(meshes, schedule, n_layers, virtual, layers_per_stage, n_mb):
     return out
 
 
-def _fsdp_parity_on_ranks(rank, world_size, cases):
+# PP 4 on the same 4 ranks: name -> (schedule, n_layers, virtual stages, layers_per_stage, micro-batches)
+PP4_CASES = {
+    "pp4_1f1b_uneven": ("1F1B", 6, 1, [1, 2, 2, 1], 4),
+    "pp4_interleaved_1f1b": ("Interleaved1F1B", 8, 2, None, 4),
+}
+
+
+def _fsdp_parity_on_ranks(rank, world_size, cases, pp4_cases):
     meshes = build_meshes(ParallelDims(pp=2, dp_shard=2, world_size=world_size))
-    return {name: _fsdp_case(meshes, *case) for name, case in cases.items()}
+    out = {name: _fsdp_case(meshes, *case) for name, case in cases.items()}
+    pp4 = build_meshes(ParallelDims(pp=world_size, dp_shard=1, world_size=world_size))
+    out.update({name: _run_case(rank, pp4, *case) for name, case in pp4_cases.items()})
+    return out
 
 
-def test_pp2_x_fsdp2_matches_one_process():
+def test_pp2_x_fsdp2_and_pp4_match_one_process():
     """Each rank asserted its gradients and the whole model's clip norm; here the losses: the last
     stage's two dp ranks each report their half (scaled by dp), whose mean is the global loss."""
-    results = run_on_ranks(_fsdp_parity_on_ranks, 4, FSDP_CASES, timeout=600)
+    results = run_on_ranks(_fsdp_parity_on_ranks, 4, FSDP_CASES, PP4_CASES, timeout=600)
+    for name, case in PP4_CASES.items():
+        # Each rank asserted losses and gradients as at PP 2; stages sit on ranks s % 4, all covered.
+        per_rank = [r[name] for r in results]
+        assert set().union(*(r["checked"] for r in per_rank)) == set(per_rank[0]["all"]), name
+        assert [r["stages"] for r in per_rank] == [[k + 4 * v for v in range(case[2])] for k in range(4)], name
+        assert sum(len(r["losses"]) for r in per_rank) == STEPS and len(per_rank[3]["losses"]) == STEPS
     for name in FSDP_CASES:
         last = [r[name] for r in results if r[name][0][0] is not None]
         assert len(last) == 2, name  # the dp pair holding the last stage
