@@ -10,7 +10,6 @@ CollectiveCounter records every collective. `trace_step` works the same on a rea
 """
 
 import contextlib
-import dataclasses
 import io
 from dataclasses import dataclass, field
 
@@ -27,13 +26,54 @@ MICRO = "micro_batch"  # collectives of one micro-batch's forward + backward (re
 STEP = "step"  # once per step: the token count, gradient clipping, the optimizer, MoE bookkeeping
 
 
+class _Propagating:
+    """Entered by DTensor around its sharding propagation (as `ShardingPropagator._fake_mode_lock`,
+    the hook torch keeps for a lock): the placeholder tensors it makes there are not memory."""
+
+    def __init__(self, inner):
+        self.inner, self.depth = inner, 0
+
+    def __enter__(self):
+        self.inner.__enter__()
+        self.depth += 1
+
+    def __exit__(self, *exc):
+        self.depth -= 1
+        return self.inner.__exit__(*exc)
+
+
 class PeakTracker(MemTracker):
     """MemTracker that also remembers where the peak was reached: the innermost module and
-    whether in forward or backward (torch's tracker keeps only per-module peaks)."""
+    whether in forward or backward (torch's tracker keeps only per-module peaks), and that skips
+    DTensor's shape propagation, which under a fake step reuses the step's own FakeTensorMode
+    (torch's tracker would count its placeholders: five times the optimizer state for a fused
+    AdamW over DTensor parameters)."""
 
     def __init__(self):
         super().__init__()
         self.peak_where = ("", "")
+        self._propagating = None
+
+    def __enter__(self):
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+        if self._propagating is None:
+            self._propagating = _Propagating(ShardingPropagator._fake_mode_lock)
+            ShardingPropagator._fake_mode_lock = self._propagating
+        return super().__enter__()
+
+    def __exit__(self, *args):
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+        super().__exit__(*args)
+        if self._depth == 0 and self._propagating is not None:
+            ShardingPropagator._fake_mode_lock = self._propagating.inner
+            self._propagating = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self._propagating is not None and self._propagating.depth:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _update_peak_stats(self, peak_state) -> None:
         before = dict(self._peak_mem)
@@ -112,7 +152,9 @@ def micro_batch(config, seq_len: int | None = None):
 
 def measure_step(trainer, micro_batches, accumulation: int = 1) -> StepTrace:
     """Run `trainer.train_step(micro_batches)` under the memory tracker and the collective counter
-    (rank-local; every rank of a real run calls it, rank 0's answer is the one compared)."""
+    (rank-local; every rank of a real run calls it, rank 0's answer is the one compared).
+    `accumulation` > 1 with one micro-batch: the step it stands for runs that many (collectives of
+    the micro-batch repeated, the held gradients added to the peak of the later ones)."""
     counter = CollectiveCounter(axis_names(trainer.meshes))
     tracker = PeakTracker()
     inner = trainer.pm.inner
@@ -146,6 +188,8 @@ def measure_step(trainer, micro_batches, accumulation: int = 1) -> StepTrace:
 
     def keep_grads(optimizer, args, kwargs):
         grads["bytes"] = _local_bytes(p.grad for p in inner.parameters())
+        grads["peak"] = max(tracker._peak_mem.values(), default=0)  # forward + backward's peak
+        grads["where"] = tracker.peak_where
 
     hook = trainer.optimizer.register_step_pre_hook(keep_grads)
     dispatchers = list((trainer.pm.dispatchers or {}).values())
@@ -159,6 +203,14 @@ def measure_step(trainer, micro_batches, accumulation: int = 1) -> StepTrace:
     peak = tracker.get_tracker_snapshot("peak")
     optimizer_bytes = _local_bytes(v for s in trainer.optimizer.state.values() for v in s.values()
                                    if isinstance(v, torch.Tensor) and v.dim() > 0)
+    peak_bytes = max(tracker._peak_mem.values(), default=0)
+    where = tracker.peak_where
+    if accumulation > 1 and grads:
+        # Traced once, run `accumulation` times: from the second micro-batch on, the gradients of
+        # the ones before are held through forward and backward.
+        later = grads["peak"] + grads["bytes"]
+        if later > peak_bytes:
+            peak_bytes, where = later, grads["where"]
     t = trainer.config.training
     return StepTrace(
         params=_local_bytes(inner.parameters()),
@@ -166,9 +218,9 @@ def measure_step(trainer, micro_batches, accumulation: int = 1) -> StepTrace:
         optimizer=optimizer_bytes,
         activations=seen.get("activations", 0),
         logits=seen.get("logits", 0),
-        peak=max((v for v in tracker._peak_mem.values()), default=0),
-        peak_module=tracker.peak_where[0],
-        peak_phase=tracker.peak_where[1],
+        peak=peak_bytes,
+        peak_module=where[0],
+        peak_phase=where[1],
         peak_parts={k: v for k, v in _storage_total(peak).items() if k != "Total"},
         collectives={f"{axis}/{kind}": row for (axis, kind), row in counter.totals({MICRO: accumulation}).items()},
         micro_batch_tokens=t.local_batch_size * t.seq_len,
@@ -204,22 +256,20 @@ def trace_step(config, plan) -> StepTrace:
     from ..parallelize import parallelize
 
     device = torch.device("cpu")
-    # Built on the meta device (init_weights' data-dependent checks cannot run on fake tensors),
-    # then given fake storage: the parameters FSDP and DTensor hold keep their placements.
-    plan = dataclasses.replace(plan, full_init=False)
     with fake_world(plan.dims.world_size):
         meshes = build_meshes(plan.dims, device.type)  # real mesh tensors, fake groups
-        # parallelize warns that sharded init on CPU draws equal numbers per shard: true, and
-        # irrelevant to fake tensors.
-        with contextlib.redirect_stdout(io.StringIO()):
-            pm = parallelize(config, plan, meshes, torch.device("meta"))
         batch = micro_batch(config)
         shims = FakeStepShims()
-        for dispatcher in (pm.dispatchers or {}).values():
-            if hasattr(dispatcher, "ep"):
-                shims.balance(dispatcher)
         with FakeTensorMode(allow_non_fake_inputs=True), shims:
-            pm.inner.to_empty(device=device)
+            # The trainer's own build, full or sharded init as the run would; parallelize warns
+            # that sharded init on CPU draws equal numbers per shard: true, and irrelevant here.
+            shims.initialising = True
+            with contextlib.redirect_stdout(io.StringIO()):
+                pm = parallelize(config, plan, meshes, device)
+            shims.initialising = False
+            for dispatcher in (pm.dispatchers or {}).values():
+                if hasattr(dispatcher, "ep"):
+                    shims.balance(dispatcher)
             optimizer = build_optimizer(pm.inner, config.optimizer, device)
             scheduler = build_lr_scheduler(optimizer, config.training.steps, config.lr_scheduler)
             trainer = trainer_for_step(config, plan, meshes, pm, optimizer, scheduler, device)
