@@ -106,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
 
     # DTensor's random ops on a CPU mesh: the fake step draws no numbers that matter.
     warnings.filterwarnings("ignore", message="DTensor random operators")
+    import logging
+
+    # "2 sequential all_reduce operations" for a 2-D gradient norm: counted in the plan already.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     from ..cli import DEFAULT_CONFIG, parse_args
     from ..config import build_config, load_toml
 

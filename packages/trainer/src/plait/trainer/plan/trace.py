@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 
 from plait.models.documents import row_segments
 
@@ -76,13 +76,16 @@ class PeakTracker(MemTracker):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _update_peak_stats(self, peak_state) -> None:
-        before = dict(self._peak_mem)
-        super()._update_peak_stats(peak_state)
-        if self._peak_mem != before:
-            parents = [p for p in self._mod_tracker.parents if p != "Global"]
-            innermost = max(parents, key=lambda p: p.count(".")) if parents else "(outside any module: the loss)"
-            phase = "backward" if self._mod_tracker.is_bw else ("optimizer" if self._in_opt else "forward")
-            self.peak_where = (innermost, phase)
+        # The step's peak only: torch's version also updates every active module's own peak,
+        # walking all tracked modules on every op (quadratic in depth: minutes at 61 layers).
+        for device, snapshot in self._curr_mem_snap.items():
+            if self._peak_mem.get(device, 0) < snapshot[_TOTAL_KEY]:
+                self._peak_mem[device] = snapshot[_TOTAL_KEY]
+                self._peak_mem_snap[device] = dict(snapshot)
+                parents = [p for p in self._mod_tracker.parents if p != "Global"]
+                innermost = max(parents, key=lambda p: p.count(".")) if parents else "(outside any module: the loss)"
+                phase = "backward" if self._mod_tracker.is_bw else ("optimizer" if self._in_opt else "forward")
+                self.peak_where = (innermost, phase)
 
 
 @dataclass
