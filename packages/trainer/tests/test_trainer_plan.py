@@ -31,13 +31,14 @@ def test_plan_flags_are_split_from_the_trainers():
 BAD_LAYOUTS = {
     "dp_shard_not_world": ["--parallelism.dp_shard", "3"],
     "ep_without_experts": ["--parallelism.dp_shard", "2", "--parallelism.ep", "2"],
-    "tp_not_dividing_heads": ["--parallelism.tp", "2", "--model.n_heads", "3", "--model.n_kv_heads", "3"],
+    "tp_not_dividing_kv_heads": ["--parallelism.tp", "2", "--model.n_kv_heads", "1"],
+    "cp_not_dividing_seq_len": ["--parallelism.cp", "2", "--training.seq_len", "66"],
 }
 
 
 @pytest.mark.parametrize("case", BAD_LAYOUTS)
 def test_bad_layout_fails_as_plait_train_does(case, tmp_path, capsys):
-    flags = ["--job.dump_folder", str(tmp_path), *SMALL, *BAD_LAYOUTS[case]]
+    flags = ["--job.dump_folder", str(tmp_path), *SMALL, *BAD_LAYOUTS[case]]  # later flags win
     assert train_cli.main(["--nproc-per-node", "2", *flags]) == 2
     trained = capsys.readouterr().err.strip()
     assert plan_cli.main(["--plan.world_size", "2", *flags]) == 2
