@@ -75,10 +75,13 @@ def format_report(r: dict) -> str:
         "memory per rank (GiB)        traced  analytic",
     ]
     a = r["analytic_estimate"]
+    parts = m["peak_parts"]
+    # Parameters alive at the peak beyond this rank's shards: FSDP's gathered (unsharded) units.
+    unsharded = max(0, parts.get("Parameter", 0) - m["parameters"]) if parts else None
     rows = [("parameters", m["parameters"], None), ("gradients", m["gradients"], None),
             ("optimizer state", m["optimizer"], None), ("model state (sum)", m["parameters"] + m["gradients"] +
             m["optimizer"], a["model state"]), ("activations (+ logits)", m["activations"], a["activations"] +
-            a["logits"]), ("  of which logits", m["logits"], a["logits"]), ("FSDP unsharded units", None,
+            a["logits"]), ("  of which logits", m["logits"], a["logits"]), ("FSDP unsharded units", unsharded,
             a["FSDP unsharded units"]), ("peak", m["peak"], sum(a.values()))]
     for name, traced, analytic in rows:
         lines.append(f"  {name:24s}{_gib(traced) if traced is not None else '       -'}"
@@ -87,6 +90,8 @@ def format_report(r: dict) -> str:
     lines += [
         f"  peak in {m['peak_at']['module']} ({m['peak_at']['phase']}); {verdict} in {r['device_memory_gib']:.1f} GiB "
         f"with 10% headroom ({r['usable_gib']:.1f} GiB usable)",
+        "  at the peak: " + ", ".join(f"{k.lower()} {v / GIB:.2f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])
+                                      if v) + " GiB",
         "",
         "communication per step      count        GiB  link        ms",
     ]
