@@ -1,11 +1,10 @@
 """plait-plan's command line: the same validation and one-line errors as plait-train, the table
-and its JSON, the device check, and the 671B config at 512 ranks within a minute and 4 GiB."""
+and its JSON, the device check, and a shipped MoE config planned at its full world size (the 671B
+config at 512 ranks, timed: benchmarks/plan_scale.py)."""
 
 import json
-import resource
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -68,23 +67,21 @@ def test_table_json_and_fit(tmp_path, capsys):
     assert "DOES NOT FIT" in capsys.readouterr().out
 
 
-def test_deepseek_v3_671B_plans_at_512_ranks(tmp_path):
-    """The issue's bar: under a minute and 4 GiB on 2 cores (one thread here). Measured: 51 s and
-    0.6 GB on a shared 2-core box; the assertion leaves room for a slower CI machine."""
+def test_deepseek_v3_16B_plans_at_64_ranks(tmp_path):
+    """A shipped config at its full world size (FSDP 64 x EP 8), through the command line. (Full AC:
+    the planner cannot trace selective AC around the dropless dispatch yet; issue 24.)"""
     out = tmp_path / "plan.json"
-    start = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "plait.trainer.plan.cli", "--config", "deepseek_v3_671B.toml", "--plan.world_size",
-         "512", "--model.tokenizer_path", "", "--job.dump_folder", str(tmp_path), "--plan.json", str(out)],
-        capture_output=True, text=True, env={**cli_env(), "OMP_NUM_THREADS": "1"}, timeout=240,
-    )
-    seconds = time.monotonic() - start
+        [sys.executable, "-m", "plait.trainer.plan.cli", "--config", "deepseek_v3_16B.toml", "--plan.world_size",
+         "64", "--model.tokenizer_path", "", "--job.dump_folder", str(tmp_path), "--plan.json", str(out),
+         "--training.activation_checkpoint", "full"],
+        capture_output=True, text=True, env={**cli_env(), "OMP_NUM_THREADS": "1"}, timeout=600,
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    peak_rss_gib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # KiB on Linux
-    assert seconds < 120 and peak_rss_gib < 4, (seconds, peak_rss_gib)
     report = json.loads(out.read_text())
-    assert report["layout"]["world_size"] == 512 and report["layout"]["ep"] == 64
-    # 671B fp32 master weights over 512 ranks: each holds ~1/512 (shards round up).
-    assert report["memory"]["parameters"] * 512 / 4 == pytest.approx(671e9, rel=0.03)
-    assert report["host_syncs"] == 58  # one dropless dispatch per MoE layer (61 layers, 3 dense)
+    assert report["layout"]["world_size"] == 64 and report["layout"]["ep"] == 8
+    # fp32 master weights: every rank holds about 1/64 of the 15.7B parameters (shards round up).
+    assert report["memory"]["parameters"] * 64 / 4 == pytest.approx(15.7e9, rel=0.05)
+    assert report["memory"]["optimizer"] == 2 * report["memory"]["parameters"]
+    assert report["host_syncs"] == 26  # one dropless dispatch per MoE layer (27 layers, 1 dense)
     assert report["fits"]
