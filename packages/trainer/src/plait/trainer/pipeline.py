@@ -9,6 +9,7 @@ from the one-rank model's (start from a seed checkpoint for parity).
 """
 
 from dataclasses import replace
+from fnmatch import fnmatchcase
 
 import torch
 from torch import nn
@@ -17,6 +18,7 @@ from plait.mesh import Meshes
 
 from .activation_checkpoint import apply_activation_checkpointing
 from .config import Config
+from .fsdp_tp import fsdp_post_forward_first
 from .validate import RunPlan
 
 
@@ -61,6 +63,47 @@ def _owned(paths, module: nn.Module) -> list[str]:
     return [p for p in paths if p in names]
 
 
+def _stage_plan(plan: dict, module: nn.Module) -> dict:
+    """The tensor-parallel plan entries whose patterns match a module of this stage (a pattern
+    matching nothing is an error in plait-tensorparallel; other stages' blocks are absent here)."""
+    paths = [name.split(".") for name, _ in module.named_modules() if name]
+
+    def matches(pattern: str) -> bool:
+        parts = pattern.split(".")
+        return any(len(p) == len(parts) and all(fnmatchcase(a, b) for a, b in zip(p, parts)) for p in paths)
+
+    return {pattern: style for pattern, style in plan.items() if matches(pattern)}
+
+
+def _tensor_and_expert_parallel(config: Config, plan: RunPlan, meshes: Meshes, module: nn.Module):
+    """TP, CP and EP on one stage module, as parallelize.py does on the whole model: (loss parallel,
+    the CP sequence layout, the EP dispatchers)."""
+    from .validate import cp_config, ep_config, tp_config
+
+    info, dims = plan.info, meshes.dims
+    loss_parallel, cp_layout, dispatchers = False, None, {}
+    if dims.tp > 1:
+        tp = plan.parallel_modules["tp"]
+        tp_cfg = tp_config(tp, config)
+        if dims.ep > 1 and dims.etp == 1:
+            tp_cfg = replace(tp_cfg, external_modules=tuple(info["experts"]))
+        stage_plan = _stage_plan(info["tp_plan"], module)
+        tp.apply_tensor_parallel(module, meshes.tp, stage_plan, tp_cfg)
+        loss_parallel = tp.uses_loss_parallel(info["tp_plan"], tp_cfg, dims.tp)
+    if dims.cp > 1:
+        cp = plan.parallel_modules["cp"]
+        cp_layout = cp.apply_context_parallel(
+            module, meshes.cp, _owned(info["attention_modules"], module), cp_config(cp, config)
+        )
+    experts = _owned(info.get("experts", ()), module)
+    if dims.ep > 1 and experts:
+        ep = plan.parallel_modules["ep"]
+        dispatchers = ep.apply_expert_parallel(
+            module, meshes.ep, experts, ep_config(ep, config), tp_mesh=meshes.tp, ep_etp_mesh=meshes.ep_etp
+        )
+    return loss_parallel, cp_layout, dispatchers
+
+
 def parallelize_pipeline(config: Config, plan: RunPlan, meshes: Meshes, device: torch.device):
     """The stages of this rank, each data parallel (and checkpointed / compiled) as configured."""
     from plait.dataparallel import apply_data_parallel
@@ -84,8 +127,13 @@ def parallelize_pipeline(config: Config, plan: RunPlan, meshes: Meshes, device: 
     # 2.13's zero-bubble schedules lose weight gradients when FSDP reshards after forward.
     dp_config = replace(data_parallel_config(config), reshard_after_forward="never")
     dp_mode = data_parallel_mode(meshes.dims, dp_config)
+    loss_parallel, cp_layout, dispatchers = False, None, {}
     for stage in stages:
         module = stage.module
+        stage_loss_parallel, stage_layout, stage_dispatchers = _tensor_and_expert_parallel(config, plan, meshes, module)
+        loss_parallel = loss_parallel or stage_loss_parallel
+        cp_layout = stage_layout if stage_layout is not None else cp_layout  # the same on every stage
+        dispatchers.update(stage_dispatchers)
         apply_activation_checkpointing(
             module, stage.blocks, config.training.activation_checkpoint, config.training.activation_checkpoint_every
         )
@@ -96,6 +144,8 @@ def parallelize_pipeline(config: Config, plan: RunPlan, meshes: Meshes, device: 
             module, meshes, stage.blocks, dp_config, expert_modules=_owned(info.get("experts", ()), module),
             edge_units=stage.edge_units if dp_mode in ("fsdp", "hsdp") else (),
         )
+        if meshes.dims.tp > 1 and dp_mode in ("fsdp", "hsdp"):
+            fsdp_post_forward_first(module)  # no "returned a view tensor" warning (fsdp_tp.py)
         if not plan.full_init:
             _init(module, device, config.job.seed)
 
@@ -104,7 +154,7 @@ def parallelize_pipeline(config: Config, plan: RunPlan, meshes: Meshes, device: 
     if _dtype(config) != torch.float32 and dp_mode == "none":
         # No sharding policy casts parameters: autocast, as the one-rank run does.
         autocast = torch.autocast(device.type, dtype=_dtype(config))
-    return ParallelModel(union, union, dp_mode, autocast, False, stages=stages)
+    return ParallelModel(union, union, dp_mode, autocast, loss_parallel, cp_layout, dispatchers or None, stages=stages)
 
 
 def build_trainer_pipeline(config: Config, plan: RunPlan, meshes: Meshes, pm, loss_fn, moe, device):

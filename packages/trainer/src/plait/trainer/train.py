@@ -313,6 +313,8 @@ class Trainer:
             loss = self.pipeline.step(
                 inputs_BS, labels_BS, scale=scale, positions=positions, document_positions=documents_BS
             )
+        if isinstance(loss, DTensor):  # tensor parallel: a replicated DTensor
+            loss = loss.full_tensor()
         step_loss = loss.detach().float().reshape(()) if loss is not None else torch.zeros((), device=self.device)
         dist.all_reduce(step_loss, group=self.meshes.pp.get_group())
         norm = self._clip()

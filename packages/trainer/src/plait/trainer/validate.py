@@ -465,7 +465,7 @@ def _validate_cp(cp_module, model_args, info: dict, dims: ParallelDims, config: 
 
 # Compositions with pipeline parallel that plait-train has proven against one rank (the parity
 # matrix); the others are refused until they are.
-PP_COMPOSES_WITH = ("dp_shard", "dp_replicate")
+PP_COMPOSES_WITH = ("dp_shard", "dp_replicate", "tp", "cp", "ep")  # tp without sequence parallel
 
 
 def pipeline_microbatches(config: Config) -> int:
@@ -483,6 +483,14 @@ def _validate_pp(pp_module, info: dict, dims: ParallelDims, config: Config) -> N
         raise ConfigError(
             f"parallelism.pp = {dims.pp} with {others}: plait-train does not run this composition yet (issue 23); "
             "combine pp with dp_shard / dp_replicate only, or set parallelism.pp = 1."
+        )
+    if dims.tp > 1 and p.sequence_parallel:
+        # A later stage receives sequence-sharded hidden states but sizes its RoPE tables and
+        # attention from them as if they were whole rows.
+        raise ConfigError(
+            f"parallelism.pp = {dims.pp} with parallelism.tp = {dims.tp} and parallelism.sequence_parallel = true: "
+            "plait-train does not run sequence parallel across pipeline stages yet; set "
+            "parallelism.sequence_parallel = false."
         )
     if p.replicate_impl == "ddp" and dims.dp_replicate > 1:
         raise ConfigError(
