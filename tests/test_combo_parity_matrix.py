@@ -43,6 +43,7 @@ import math
 import os
 import re
 import subprocess
+import time
 import zlib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -197,6 +198,10 @@ LAYOUTS = [
     Layout("HSDP 2x2 x EP 2", 4, {"dp_replicate": 2, "ep": 2}, models=DEEPSEEK),
     Layout("FSDP 2 x TP 2 x EP 2 (etp 1)", 4, {"tp": 2, "ep": 2}, models=DEEPSEEK),
     Layout("FSDP 2 x TP 2 x EP 2 x ETP 2", 4, {"tp": 2, "ep": 2, "etp": 2}, models=DEEPSEEK),
+    # 8 stages need more blocks than the matrix's Llama has: 6 here (its own one-rank reference).
+    Layout("PP 4 Interleaved1F1B (2 stages per rank)", 4,
+           {**PP2, "pp": 4, "pipeline_schedule": "Interleaved1F1B", "pipeline_virtual_stages": 2},
+           models=("llama3",), model_args={"n_layers": 6}, layers={"llama3": "0,1,1,1,1,1,1,0"}, bf16=False),
     Layout("PP 2 x FSDP 2, 1F1B", 4, {**PP2, "dp_shard": 2, "pipeline_schedule": "1F1B"}, layers=PP2_LAYERS),
     Layout("PP 2 x FSDP 2, ZBVZeroBubble", 4,
            {**PP2, "dp_shard": 2, "pipeline_schedule": "ZBVZeroBubble", "pipeline_virtual_stages": 2,
@@ -362,6 +367,7 @@ def _train_each(rank: int, world_size: int, root: str, grads_dir: str, jobs: lis
 
     results = {}
     for key, model, argv, dtype, reference in jobs:
+        started = time.perf_counter()
         dump = os.path.join(root, str(len(results)))
         args = parse_args(["--job.dump_folder", dump, *argv])
         trainer = Trainer(build_config(load_toml(f"{model}_debugmodel.toml"), args.overrides))
@@ -381,6 +387,7 @@ def _train_each(rank: int, world_size: int, root: str, grads_dir: str, jobs: lis
                 off_dtype=[f"{n} x {op} at {where}: {dtypes}" for (op, where, dtypes), n in
                            sorted(sentinel.off_dtype_kernels.items())],
                 sentinel_report=sentinel.report(),
+                seconds=time.perf_counter() - started,  # this job on every rank (its share of the suite)
             )
     return results
 
@@ -545,6 +552,6 @@ def test_layout_matches_its_reference(layout, model, dtype, runs, report):
         "max_param_grad_rel_diff": param_diff, "param_grad_tolerance": param_tol,
         "host_syncs_per_step": max((s for s in syncs if s is not None), default=None),
         "expected_host_syncs": expected_syncs, "precondition_violations": violations,
-        "passed": not failures, "failures": failures,
+        "passed": not failures, "failures": failures, "seconds": result.get("seconds"),
     })  # fmt: skip
     assert not failures, "\n".join(failures)
