@@ -167,6 +167,7 @@ def build_pipeline(
             raise ValueError(f"schedule {name} runs one stage per rank, got {len(pipeline_stages)}")
         runner = cls(pipeline_stages[0], n_microbatches=n_microbatches, loss_fn=loss, scale_grads=False)
     _keep_row_attributes(runner)
+    _isolate_metadata_inference(runner, [s.module for s in stages])
     return Pipeline(stages, runner, loss, n_microbatches, pipeline_stages)
 
 
@@ -207,3 +208,32 @@ def _keep_row_attributes(runner) -> None:
         return args_split, kwargs_split
 
     runner._split_inputs = split_keeping_segments
+
+
+def _isolate_metadata_inference(runner, modules: list[torch.nn.Module]) -> None:
+    """Make torch's shape inference leave no trace in the stage modules.
+
+    On a schedule's first step (and the first after switching between step and eval), torch 2.13
+    runs every stage forward and backward once to learn the shapes: later stages on uninitialised
+    tensors. That forward updates buffers (MoE routers' token counters, hence the load-balance
+    bias), and custom autograd functions can accumulate weight gradients that torch clears only on
+    FSDP modules. Buffers and gradients are restored as they were before it (wrapped on this
+    instance only; `_initialize_pp_stages`, torch 2.13).
+    """
+    initialize = runner._initialize_pp_stages
+
+    def isolated(stages, args, kwargs, target, fwd_initialized, bwd_initialized, *rest, **kw):
+        if fwd_initialized and runner._has_backward == bwd_initialized:
+            return initialize(stages, args, kwargs, target, fwd_initialized, bwd_initialized, *rest, **kw)
+        buffers = [(b, b.detach().clone()) for m in modules for b in m.buffers()]
+        grads = [(p, p.grad) for m in modules for p in m.parameters()]
+        try:
+            return initialize(stages, args, kwargs, target, fwd_initialized, bwd_initialized, *rest, **kw)
+        finally:
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
+            for param, grad in grads:
+                param.grad = grad
+
+    runner._initialize_pp_stages = isolated

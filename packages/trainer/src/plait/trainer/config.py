@@ -128,9 +128,21 @@ class ParallelismConfig:
     dp_shard: int = -1
     """Sharded data-parallel degree (FSDP); -1 infers it as world_size / (dp_replicate * cp * tp)."""
     pp: int = 1
-    """Pipeline-parallel degree, the outermost mesh axis. plait-train runs pp = 1 only for now: the
-    stages, schedules and mesh axis exist (plait-pipelineparallel, plait.mesh), the trainer's step
-    under them does not yet (issue 23)."""
+    """Pipeline-parallel degree, the outermost mesh axis (needs plait-pipelineparallel): the model is
+    cut into stages at block boundaries, the embedding on the first, norm + output head on the last."""
+    pipeline_schedule: str = "1F1B"
+    """Under pp > 1, torch's schedule by name: GPipe, 1F1B, Interleaved1F1B, LoopedBFS,
+    InterleavedZeroBubble, ZBVZeroBubble, DualPipeV (case-insensitive)."""
+    pipeline_microbatch_size: int = 1
+    """Under pp > 1, rows per pipeline micro-batch; it must divide local_batch_size x
+    gradient_accumulation_steps (the accumulation micro-batches run as one pipelined batch).
+    1 gives the most micro-batches, so the smallest bubble; raise it for larger matmuls."""
+    layers_per_stage: list[int] = field(default_factory=list)
+    """Under pp > 1, blocks per stage in order (pp x pipeline_virtual_stages entries, e.g. [3, 5, 5, 3]
+    to balance the embedding and the head); empty splits the blocks evenly."""
+    pipeline_virtual_stages: int = 1
+    """Under pp > 1, stages per rank: 1 for GPipe / 1F1B, 2+ for the interleaved schedules, exactly 2
+    for the V schedules (ZBVZeroBubble, DualPipeV)."""
     cp: int = 1
     """Context-parallel degree (needs plait-contextparallel)."""
     cp_method: Literal["allgather", "ring", "ulysses"] = "allgather"
@@ -328,6 +340,13 @@ def coerce(name: str, tp: Any, value: Any) -> Any:
         if not isinstance(items, (list, tuple)) or len(items) != len(typing.get_args(tp)):
             raise ConfigError(f"{name} = {value!r}: expected {len(typing.get_args(tp))} values, e.g. 0.9,0.95.")
         return tuple(coerce(name, a, v) for a, v in zip(typing.get_args(tp), items))
+    if origin is list:
+        items = value
+        if isinstance(value, str):
+            items = [s for s in value.strip("[]() ").split(",") if s.strip()]
+        if not isinstance(items, (list, tuple)):
+            raise ConfigError(f"{name} = {value!r}: expected a list, e.g. 1,3 (or [] for none).")
+        return [coerce(name, typing.get_args(tp)[0], v) for v in items]
     if origin in (types.UnionType, typing.Union):
         raise TypeError(f"unsupported config type {tp} for {name}")
     if tp is bool:

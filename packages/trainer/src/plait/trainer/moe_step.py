@@ -7,6 +7,8 @@ load-balance bias update, and the step's MoE metrics.
 - Metrics per step, all on the device until the metrics flush: load imbalance per MoE layer
   (max / mean tokens per expert, from those same summed counts; 1.0 is perfect balance),
   (token, expert) pairs the capacity mode dropped on this rank, and the dispatchers' host syncs.
+- Pipeline parallel: each MoE layer lives on one stage; the aux loss is read per stage module, and
+  the imbalance of every layer reaches every rank (each stage fills its layers' slots, summed over pp).
 """
 
 import torch
@@ -15,7 +17,7 @@ from torch import nn
 
 
 class MoEStep:
-    def __init__(self, model: nn.Module, model_args, meshes, dispatchers: dict | None):
+    def __init__(self, model: nn.Module, model_args, meshes, dispatchers: dict | None, whole_model=None):
         self.model = model
         self.group = meshes.dp_cp.get_group() if meshes.dp_cp is not None else None
         self.tp = meshes.dims.tp
@@ -27,24 +29,38 @@ class MoEStep:
         self._imbalance_L: torch.Tensor | None = None
         self._host_syncs_seen = self._host_syncs()
         self._dropped_seen: torch.Tensor | None = None
+        # Pipeline parallel: this rank's routers' slots among the whole model's MoE layers.
+        self.pp_group, self._slots, self._n_layers = None, None, 0
+        if meshes.pp is not None and whole_model is not None:
+            names = _router_names(whole_model)
+            self.pp_group = meshes.pp.get_group()
+            # An index tensor made once here, not from a Python list inside the step.
+            slots = [names.index(n) for n in _router_names(model)]
+            self._slots = torch.tensor(slots, dtype=torch.long, device=self._device())
+            self._n_layers = len(names)
 
     @classmethod
-    def for_model(cls, model: nn.Module, model_args, meshes, dispatchers: dict | None) -> "MoEStep | None":
+    def for_model(
+        cls, model: nn.Module, model_args, meshes, dispatchers: dict | None, whole_model: nn.Module | None = None
+    ) -> "MoEStep | None":
+        """`whole_model`: under pipeline parallel, the unsplit model (meta) whose MoE layers the stages share."""
         try:
-            from plait.models.moe.router import TokenChoiceTopKRouter
+            from plait.models.moe.router import TokenChoiceTopKRouter  # noqa: F401
         except ImportError:
             return None
-        if not any(isinstance(m, TokenChoiceTopKRouter) for m in model.modules()):
+        if not _router_names(whole_model if whole_model is not None else model):
             return None
-        return cls(model, model_args, meshes, dispatchers)
+        return cls(model, model_args, meshes, dispatchers, whole_model)
 
-    def aux_loss(self) -> torch.Tensor | float:
-        """The sequence-wise balance loss of the last forward, this rank's share of it."""
+    def aux_loss(self, module: nn.Module | None = None) -> torch.Tensor | float:
+        """The sequence-wise balance loss of the last forward, this rank's share of it (of
+        `module`'s routers: one pipeline stage; default the whole local model)."""
         from plait.models.moe import moe_aux_loss
 
+        model = self.model if module is None else module
         # Context parallel: each rank routed part of every sequence; the expert-choice counts are
         # summed over the cp ranks and each rank's term carries its own tokens' affinities.
-        loss = moe_aux_loss(self.model, self.cp, self._reduce_over_cp) if self.cp > 1 else moe_aux_loss(self.model)
+        loss = moe_aux_loss(model, self.cp, self._reduce_over_cp) if self.cp > 1 else moe_aux_loss(model)
         # Every TP rank computes the same aux loss inside the MoE's TP region, whose entry sums the
         # ranks' input gradients: each rank contributes 1/tp, so the gradient arrives exactly once.
         return loss / self.tp if self.tp > 1 else loss
@@ -57,6 +73,15 @@ class MoEStep:
             dist.all_reduce(counts_LE, group=self.group)
         counts_LE = counts_LE.float()
         self._imbalance_L = counts_LE.max(dim=1).values / counts_LE.mean(dim=1).clamp(min=1e-9)
+        if self.pp_group is not None:
+            self._imbalance_L = self._gather_stages(self._imbalance_L)
+
+    def _gather_stages(self, local_L: torch.Tensor) -> torch.Tensor:
+        """Every MoE layer's value on every rank: each stage fills its own layers' slots (one all-reduce)."""
+        whole_L = torch.zeros(self._n_layers, dtype=local_L.dtype, device=local_L.device)
+        whole_L[self._slots] = local_L
+        dist.all_reduce(whole_L, group=self.pp_group)
+        return whole_L
 
     @torch.no_grad()
     def after_step(self) -> None:
@@ -64,7 +89,14 @@ class MoEStep:
         the counters; the summed counts also give the step's imbalance."""
         from plait.models.moe import update_moe_load_balance
 
+        if self.pp_group is not None and not len(self._slots):
+            # A stage without MoE layers still takes part in the imbalance's all-reduce over pp.
+            self._imbalance_L = self._gather_stages(torch.zeros(0, device=self._device()))
+            return
         update_moe_load_balance(self.model, self.coeff, reduce_counts=self._reduce_counts)
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
 
     def _dropped(self) -> torch.Tensor | None:
         """(token, expert) pairs the capacity mode dropped on this rank so far; None when dropless."""
@@ -93,3 +125,9 @@ class MoEStep:
             metrics["moe_dropped"] = total - seen
             self._dropped_seen = total
         return metrics
+
+
+def _router_names(model: nn.Module) -> list[str]:
+    from plait.models.moe.router import TokenChoiceTopKRouter
+
+    return [name for name, m in model.named_modules() if isinstance(m, TokenChoiceTopKRouter)]

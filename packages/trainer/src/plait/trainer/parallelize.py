@@ -32,6 +32,7 @@ class ParallelModel:
     loss_parallel: bool
     cp_layout: object | None = None  # plait.contextparallel.SequenceLayout the batch is sharded in
     dispatchers: dict | None = None  # expert parallel: module path -> token dispatcher
+    stages: list | None = None  # pipeline parallel: this rank's plait.pipelineparallel Stages
 
 
 def _dtype(config: Config) -> torch.dtype:
@@ -82,6 +83,10 @@ def _parallelize(config: Config, plan: RunPlan, meshes: Meshes, device: torch.de
     from plait.dataparallel import apply_data_parallel, autocast_context
     from plait.dataparallel.config import data_parallel_mode
 
+    if meshes.dims.pp > 1:
+        from .pipeline import parallelize_pipeline
+
+        return parallelize_pipeline(config, plan, meshes, device)
     model, info = plan.model, plan.info
     blocks = list(info["blocks"])
     if plan.full_init:

@@ -31,6 +31,7 @@ from .metrics import MetricsLogger, peak_tflops
 from .moe_step import MoEStep
 from .optimizer import build_optimizer
 from .parallelize import parallelize
+from .pipeline import merge_micro_batches
 from .run_lock import CHECKPOINT_LOCK_NAME, HELD_BY_LAUNCHER, RunLock, RunLocks
 from .validate import RunPlan, validate
 
@@ -204,7 +205,10 @@ class Trainer:
         if config.data.prefetch:
             self.loader = PrefetchingLoader(self.loader, config.data.prefetch)
         self._validation_exchange = None  # made at the first validation (every rank validates then)
-        self.moe = MoEStep.for_model(self.pm.inner, self.plan.model_args, self.meshes, self.pm.dispatchers)
+        self.moe = MoEStep.for_model(
+            self.pm.inner, self.plan.model_args, self.meshes, self.pm.dispatchers,
+            whole_model=self.plan.model if self.pm.stages else None,
+        )
         self.loss_context = self._loss_context_factory()
         # Under training.compile the loss is compiled too (the fp32 upcast fuses into the
         # log-softmax); not on tensor-parallel (DTensor) logits.
@@ -213,6 +217,13 @@ class Trainer:
         self.checkpointer = CheckpointManager(
             config, self.plan.dims, self.pm.inner, self.optimizer, self.scheduler, self.loader, self.rank
         )
+        self.pipeline = None
+        if self.pm.stages:
+            from .pipeline import build_trainer_pipeline
+
+            self.pipeline = build_trainer_pipeline(
+                config, self.plan, self.meshes, self.pm, self.loss_fn, self.moe, self.device
+            )
         self.step = self.checkpointer.load()  # the last completed step: 0, or a resumed checkpoint's
 
     def _loss_context_factory(self):
@@ -281,7 +292,42 @@ class Trainer:
             aux = DTensor.from_local(aux, loss.device_mesh, [Replicate()], run_check=False)
         return aux
 
+    def _clip(self) -> torch.Tensor:
+        params = list(self.pm.inner.parameters())
+        max_norm = self.config.training.max_norm
+        # Under pipeline parallel each rank holds its stages' parameters: the norm spans the pp ranks.
+        pp = {"pp_mesh": self.meshes.pp} if self.pipeline is not None else {}
+        if max_norm > 0:
+            return clip_grad_norm_(params, max_norm, foreach=True, **pp)
+        return grad_norm(params, foreach=True, **pp)
+
+    def _pipeline_step(self, micro_batches) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step under pipeline parallel: the local batch (the accumulation micro-batches
+        merged, see pipeline.merge_micro_batches) through the schedule; the loss, reported once from
+        the last stage, summed over the pp ranks (the others contribute 0)."""
+        (inputs_BS, labels_BS, positions, documents_BS), = [self._local_batch(*mb) for mb in micro_batches]
+        ranks = self.meshes.dp_cp.size() if self.meshes.dp_cp is not None else 1
+        scale = ranks / self._global_token_count([labels_BS])
+        autocast = self.pm.autocast or contextlib.nullcontext()
+        with self.loss_context(), autocast:
+            loss = self.pipeline.step(
+                inputs_BS, labels_BS, scale=scale, positions=positions, document_positions=documents_BS
+            )
+        if isinstance(loss, DTensor):  # tensor parallel: a replicated DTensor
+            loss = loss.full_tensor()
+        step_loss = loss.detach().float().reshape(()) if loss is not None else torch.zeros((), device=self.device)
+        dist.all_reduce(step_loss, group=self.meshes.pp.get_group())
+        norm = self._clip()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        if self.moe is not None:
+            self.moe.after_step()
+        return step_loss, norm
+
     def train_step(self, micro_batches) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.pipeline is not None:
+            return self._pipeline_step(micro_batches)
         accumulation = len(micro_batches)
         step_loss = torch.zeros((), device=self.device)
         autocast = self.pm.autocast or contextlib.nullcontext()
@@ -303,9 +349,7 @@ class Trainer:
             if isinstance(detached, DTensor):
                 detached = detached.full_tensor()
             step_loss += detached
-        params = list(self.pm.inner.parameters())
-        max_norm = self.config.training.max_norm
-        norm = clip_grad_norm_(params, max_norm, foreach=True) if max_norm > 0 else grad_norm(params, foreach=True)
+        norm = self._clip()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
@@ -327,23 +371,38 @@ class Trainer:
         c = self.config
         if self._validation_exchange is None:
             self._validation_exchange = _data_exchange()
-        loader = _build_loader(c, self.plan, self.meshes, c.data.val_dataset, "validation", 1,
+        # Under pipeline parallel a validation batch is as large as a training step's local batch
+        # (the schedule's micro-batch count is fixed): the accumulation's batches, merged.
+        accumulation = c.training.gradient_accumulation_steps if self.pipeline is not None else 1
+        loader = _build_loader(c, self.plan, self.meshes, c.data.val_dataset, "validation", accumulation,
                                self._validation_exchange)
         # [loss sum, valid tokens] over every batch and every dp x cp rank: the token-weighted mean.
         totals = torch.zeros(2, device=self.device)
         autocast = self.pm.autocast or contextlib.nullcontext()
         n = 0
         for micro_batches in loader:
+            if self.pipeline is not None:
+                micro_batches = merge_micro_batches(micro_batches)
             self._read_documents(micro_batches)
             for micro_batch in micro_batches:
                 inputs_BS, labels_BS, positions, documents_BS = self._local_batch(*micro_batch)
                 with self.loss_context(), autocast:
-                    loss = cross_entropy_loss(self._forward(inputs_BS, positions, documents_BS), labels_BS)
+                    if self.pipeline is not None:  # the loss sum on the last stage's rank, else None
+                        loss = self.pipeline.eval_step(
+                            inputs_BS, labels_BS, positions=positions, document_positions=documents_BS
+                        )
+                        loss = torch.zeros((), device=self.device) if loss is None else loss
+                    else:
+                        loss = cross_entropy_loss(self._forward(inputs_BS, positions, documents_BS), labels_BS)
                 totals[0] += loss.full_tensor() if isinstance(loss, DTensor) else loss
                 totals[1] += (labels_BS != IGNORE_INDEX).sum()
                 n += 1
             if n >= c.data.val_steps:
                 break
+        if self.pipeline is not None:  # the loss sums live on the last stage's ranks
+            loss_sum = totals[0].clone()
+            dist.all_reduce(loss_sum, group=self.meshes.pp.get_group())
+            totals[0] = loss_sum
         if self.meshes.dp_cp is not None:
             dist.all_reduce(totals, group=self.meshes.dp_cp.get_group())
         return (totals[0] / totals[1].clamp(min=1)).item()
@@ -356,7 +415,8 @@ class Trainer:
         dtype = torch.bfloat16 if t.dtype == "bfloat16" else torch.float32
         # Under tp/cp a rank's share of each sequence is 1/(tp*cp): per-rank throughput counts that
         # share (as FLOPs do), and global throughput = per rank x world size = tokens of the global batch.
-        share = self.plan.dims.tp * self.plan.dims.cp
+        # Under pp each rank runs its stages (1/pp of the model) on the local batch: a 1/pp share too.
+        share = self.plan.dims.tp * self.plan.dims.cp * self.plan.dims.pp
         tokens_per_rank = t.local_batch_size * t.gradient_accumulation_steps * t.seq_len / share
         return MetricsLogger(
             dump_folder=c.job.dump_folder,
@@ -445,6 +505,8 @@ class Trainer:
                         print(f"plait-train: rank {self.rank}: SIGTERM while waiting for data, stopped after "
                               f"step {self.step} (not saved now).", flush=True)
                         break
+                    if self.pipeline is not None:
+                        micro_batches = merge_micro_batches(micro_batches)
                     self._read_documents(micro_batches)
                     data_s = time.perf_counter() - t0
                     lr = self.scheduler.get_last_lr()[0]

@@ -27,6 +27,7 @@ OPTIONAL_PARALLEL = {
     "tp": ("plait.tensorparallel", "plait-tensorparallel", "apply_tensor_parallel"),
     "cp": ("plait.contextparallel", "plait-contextparallel", "apply_context_parallel"),
     "ep": ("plait.expertparallel", "plait-expertparallel", "apply_expert_parallel"),
+    "pp": ("plait.pipelineparallel", "plait-pipelineparallel", "build_pipeline"),
 }
 
 # Batches prepared ahead are held in host memory: more than this only costs memory.
@@ -46,7 +47,7 @@ class RunPlan:
     info: dict
     tokenizer: Any
     full_init: bool
-    parallel_modules: dict  # "tp"/"cp"/"ep" -> imported module, for the degrees > 1
+    parallel_modules: dict  # "tp"/"cp"/"ep"/"pp" -> imported module, for the degrees > 1
 
 
 def optional_parallel_module(axis: str, degree: int):
@@ -337,13 +338,9 @@ def model_args_dict(model_args) -> dict:
 
 def _parallel_dims(config: Config, world_size: int) -> ParallelDims:
     p = config.parallelism
-    if p.pp != 1:
-        raise ConfigError(
-            f"parallelism.pp = {p.pp}: plait-train does not run pipeline parallel yet (issue 23); set "
-            "parallelism.pp = 1 and shard with dp_shard / tp / cp / ep instead."
-        )
     try:
         return ParallelDims(
+            pp=p.pp,
             dp_replicate=p.dp_replicate,
             dp_shard=p.dp_shard,
             cp=p.cp,
@@ -367,7 +364,7 @@ def validate(config: Config, world_size: int | None = None, check_memory: bool =
 
     # Optional parallel packages, before anything is built with them.
     parallel_modules = {}
-    for axis in ("tp", "cp", "ep"):
+    for axis in ("tp", "cp", "ep", "pp"):
         degree = getattr(dims, axis)
         if degree > 1:
             parallel_modules[axis] = optional_parallel_module(axis, degree)
@@ -422,6 +419,8 @@ def validate(config: Config, world_size: int | None = None, check_memory: bool =
         _validate_tp(parallel_modules["tp"], model, info, dims, config)
     if dims.cp > 1:
         _validate_cp(parallel_modules["cp"], model_args, info, dims, config)
+    if dims.pp > 1:
+        _validate_pp(parallel_modules["pp"], info, dims, config)
 
     n_bytes = sum(p.numel() for p in model.parameters()) * 4
     full_init = config.model.init == "full" or (config.model.init == "auto" and n_bytes <= FULL_INIT_MAX_BYTES)
@@ -459,6 +458,54 @@ def _validate_cp(cp_module, model_args, info: dict, dims: ParallelDims, config: 
         cp_module.validate_context_parallel(
             info, dims.cp, config.training.seq_len, cp_config(cp_module, config), dims.tp,
             attention_mask=getattr(model_args, "attention_mask", "causal"),
+        )
+    except ValueError as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
+
+
+# Compositions with pipeline parallel that plait-train has proven against one rank (the parity
+# matrix); the others are refused until they are.
+PP_COMPOSES_WITH = ("dp_shard", "dp_replicate", "tp", "cp", "ep")  # tp without sequence parallel
+
+
+def pipeline_microbatches(config: Config) -> int:
+    """Pipeline micro-batches per step: the accumulation micro-batches run as one local batch."""
+    from plait.pipelineparallel import n_microbatches
+
+    t = config.training
+    return n_microbatches(t.local_batch_size * t.gradient_accumulation_steps, config.parallelism.pipeline_microbatch_size)
+
+
+def _validate_pp(pp_module, info: dict, dims: ParallelDims, config: Config) -> None:
+    p = config.parallelism
+    others = {k: getattr(dims, k) for k in ("tp", "cp", "ep") if getattr(dims, k) > 1 and k not in PP_COMPOSES_WITH}
+    if others:
+        raise ConfigError(
+            f"parallelism.pp = {dims.pp} with {others}: plait-train does not run this composition yet (issue 23); "
+            "combine pp with dp_shard / dp_replicate only, or set parallelism.pp = 1."
+        )
+    if dims.tp > 1 and p.sequence_parallel:
+        # A later stage receives sequence-sharded hidden states but sizes its RoPE tables and
+        # attention from them as if they were whole rows.
+        raise ConfigError(
+            f"parallelism.pp = {dims.pp} with parallelism.tp = {dims.tp} and parallelism.sequence_parallel = true: "
+            "plait-train does not run sequence parallel across pipeline stages yet; set "
+            "parallelism.sequence_parallel = false."
+        )
+    if config.checkpoint.last_save_in_hf:
+        raise ConfigError(
+            f"checkpoint.last_save_in_hf = true with parallelism.pp = {dims.pp}: the Hugging Face export gathers the "
+            "model on one rank, which holds one stage under pp; set it to false and export from the DCP checkpoint "
+            "on a pp = 1 run (checkpoints resume on any pp degree)."
+        )
+    if p.replicate_impl == "ddp" and dims.dp_replicate > 1:
+        raise ConfigError(
+            f"parallelism.pp = {dims.pp} with parallelism.replicate_impl = 'ddp': use replicate_impl = 'fsdp'."
+        )
+    try:
+        pp_module.validate_pipeline_parallel(
+            info, dims.pp, p.pipeline_schedule, pipeline_microbatches(config),
+            list(p.layers_per_stage) or None, p.pipeline_virtual_stages,
         )
     except ValueError as e:
         raise ConfigError(str(e).splitlines()[0]) from None

@@ -46,7 +46,26 @@ def load_model(model: nn.Module, state: dict) -> None:
 
 def load_full(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
     load_model(model, state[MODEL])
+    _own_param_groups(model, optimizer, state[OPTIMIZER])
     set_optimizer_state_dict(model, optimizer, state[OPTIMIZER])
+
+
+def _own_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer, optim_state: dict) -> None:
+    """Give the loaded param groups this rank's parameter names.
+
+    DCP stores a param group's list of parameter FQNs once (one rank's). Under pipeline parallel
+    every rank holds other parameters, so a checkpoint saved under one pp degree names the
+    parameters of one stage only; torch matches groups by those names and would leave the other
+    stages' groups without their settings. The groups' settings are the same on every rank (one
+    group), so the names are this rank's own. A checkpoint whose groups already name exactly this
+    rank's parameters (every layout without pp) is left as it is.
+    """
+    groups = optim_state.get("param_groups", [])
+    own = [g["params"] for g in get_optimizer_state_dict(model, optimizer)["param_groups"]]
+    if len(groups) != len(own) or all(set(g["params"]) == set(o) for g, o in zip(groups, own)):
+        return
+    for group, params in zip(groups, own):
+        group["params"] = list(params)
 
 
 def schedule_settings(config) -> dict:
