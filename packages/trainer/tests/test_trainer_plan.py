@@ -1,17 +1,15 @@
 """plait-plan's command line: the same validation and one-line errors as plait-train, the table
-and its JSON, the device check, and a shipped MoE config planned at its full world size (the 671B
-config at 512 ranks, timed: benchmarks/plan_scale.py)."""
+and its JSON, the device check. (Layouts that need the parallel packages, a shipped config at its
+full world size included: tests/test_combo_trainer_plan_measured.py; the 671B config at 512 ranks,
+timed: benchmarks/plan_scale.py.)"""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from plait.trainer import cli as train_cli
 from plait.trainer.config import ConfigError
 from plait.trainer.plan import cli as plan_cli
-from plait.trainer.testing import cli_env
 
 SMALL = ["--model.n_layers", "2", "--training.local_batch_size", "2", "--training.seq_len", "64"]
 
@@ -65,23 +63,3 @@ def test_table_json_and_fit(tmp_path, capsys):
     too_small = memory["peak"] / 2**30 * 1.05
     assert plan_cli.main([*flags, "--plan.device_memory_gib", str(too_small)]) == 0
     assert "DOES NOT FIT" in capsys.readouterr().out
-
-
-def test_deepseek_v3_16B_plans_at_64_ranks(tmp_path):
-    """A shipped config at its full world size (FSDP 64 x EP 8), through the command line. (Full AC:
-    the planner cannot trace selective AC around the dropless dispatch yet; issue 24.)"""
-    out = tmp_path / "plan.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "plait.trainer.plan.cli", "--config", "deepseek_v3_16B.toml", "--plan.world_size",
-         "64", "--model.tokenizer_path", "", "--job.dump_folder", str(tmp_path), "--plan.json", str(out),
-         "--training.activation_checkpoint", "full"],
-        capture_output=True, text=True, env={**cli_env(), "OMP_NUM_THREADS": "1"}, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(out.read_text())
-    assert report["layout"]["world_size"] == 64 and report["layout"]["ep"] == 8
-    # fp32 master weights: every rank holds about 1/64 of the 15.7B parameters (shards round up).
-    assert report["memory"]["parameters"] * 64 / 4 == pytest.approx(15.7e9, rel=0.05)
-    assert report["memory"]["optimizer"] == 2 * report["memory"]["parameters"]
-    assert report["host_syncs"] == 26  # one dropless dispatch per MoE layer (27 layers, 1 dense)
-    assert report["fits"]

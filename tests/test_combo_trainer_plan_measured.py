@@ -149,3 +149,23 @@ above the parameters, buffers and optimizer state. The
     config = build_config(load_toml(args.config), args.overrides)
     planned = trace_step(config, validate(config, world_size=1)).peak - live
     assert planned == pytest.approx(grown, rel=0.10), (planned, grown)
+
+
+def test_deepseek_v3_16B_plans_at_64_ranks(tmp_path):
+    """A shipped config at its full world size (FSDP 64 x EP 8), through the command line. (Full AC:
+    the planner cannot trace selective AC around the dropless dispatch yet; issue 24.)"""
+    out = tmp_path / "plan.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "plait.trainer.plan.cli", "--config", "deepseek_v3_16B.toml", "--plan.world_size",
+         "64", "--model.tokenizer_path", "", "--job.dump_folder", str(tmp_path), "--plan.json", str(out),
+         "--training.activation_checkpoint", "full"],
+        capture_output=True, text=True, env={**cli_env(), "OMP_NUM_THREADS": "1"}, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["layout"]["world_size"] == 64 and report["layout"]["ep"] == 8
+    # fp32 master weights: every rank holds about 1/64 of the 15.7B parameters (shards round up).
+    assert report["memory"]["parameters"] * 64 / 4 == pytest.approx(15.7e9, rel=0.05)
+    assert report["memory"]["optimizer"] == 2 * report["memory"]["parameters"]
+    assert report["host_syncs"] == 26  # one dropless dispatch per MoE layer (27 layers, 1 dense)
+    assert report["fits"]
