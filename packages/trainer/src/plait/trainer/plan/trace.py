@@ -138,6 +138,7 @@ def trainer_for_step(config, plan, meshes, pm, optimizer, scheduler, device):
     trainer.moe = MoEStep.for_model(pm.inner, plan.model_args, meshes, pm.dispatchers)
     trainer.loss_context = trainer._loss_context_factory()
     trainer.loss_fn = cross_entropy_loss
+    trainer.pipeline = None  # plait-plan traces pp = 1 only (plan/cli.py refuses pp > 1)
     return trainer
 
 
