@@ -27,12 +27,8 @@ CASES = {
                                          "selective", "--training.gradient_accumulation_steps", "2"]),
     "llama_tp2_full_ac": (2, [*LLAMA, "--parallelism.tp", "2", "--training.activation_checkpoint", "full"]),
     "llama_cp2": (2, [*LLAMA, "--parallelism.cp", "2"]),
-    "llama_replicate2": (2, [*LLAMA, "--parallelism.dp_replicate", "2"]),
-    # HSDP 2 x 2 x TP 2 x EP 2 on 8 ranks is exact too (30 s on 2 cores: left out of the suite).
-    "deepseek_fsdp2_tp2_ep2": (4, [*DEEPSEEK, "--parallelism.dp_shard", "2", "--parallelism.tp", "2",
-                                   "--parallelism.ep", "2", "--parallelism.expert_capacity_factor", "2.0"]),
-    "llama_hsdp2x2": (4, [*LLAMA, "--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2"]),
-    "deepseek_fsdp2": (2, [*DEEPSEEK, "--parallelism.dp_shard", "2"]),
+    # Also exact when measured (left out of the suite for its time): replicate 2, HSDP 2x2, DeepSeek
+    # FSDP 2, FSDP 2 x TP 2 x EP 2 on 4 ranks, HSDP 2x2 x TP 2 x EP 2 on 8 ranks.
     "deepseek_ep2_capacity": (2, [*DEEPSEEK, "--parallelism.dp_shard", "2", "--parallelism.ep", "2",
                                   "--parallelism.expert_capacity_factor", "2.0"]),
     "deepseek_ep2_dropless": (2, [*DEEPSEEK, "--parallelism.dp_shard", "2", "--parallelism.ep", "2"]),
