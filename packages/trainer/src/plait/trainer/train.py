@@ -301,13 +301,28 @@ class Trainer:
             return clip_grad_norm_(params, max_norm, foreach=True, **pp)
         return grad_norm(params, foreach=True, **pp)
 
+    def _loss_scale(self, labels: list[torch.Tensor]) -> torch.Tensor:
+        """ranks / valid tokens of the global batch: scaling each rank's loss sum by it makes the
+        step's gradient the mean over every valid token (data parallel averages over dp x cp)."""
+        ranks = self.meshes.dp_cp.size() if self.meshes.dp_cp is not None else 1
+        return ranks / self._global_token_count(labels)
+
+    def _update(self) -> torch.Tensor:
+        """Clip (over every mesh, and every stage under pp), step, schedule; the gradient norm."""
+        norm = self._clip()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        if self.moe is not None:
+            self.moe.after_step()
+        return norm
+
     def _pipeline_step(self, micro_batches) -> tuple[torch.Tensor, torch.Tensor]:
         """One step under pipeline parallel: the local batch (the accumulation micro-batches
         merged, see pipeline.merge_micro_batches) through the schedule; the loss, reported once from
         the last stage, summed over the pp ranks (the others contribute 0)."""
         (inputs_BS, labels_BS, positions, documents_BS), = [self._local_batch(*mb) for mb in micro_batches]
-        ranks = self.meshes.dp_cp.size() if self.meshes.dp_cp is not None else 1
-        scale = ranks / self._global_token_count([labels_BS])
+        scale = self._loss_scale([labels_BS])
         autocast = self.pm.autocast or contextlib.nullcontext()
         with self.loss_context(), autocast:
             loss = self.pipeline.step(
@@ -317,13 +332,7 @@ class Trainer:
             loss = loss.full_tensor()
         step_loss = loss.detach().float().reshape(()) if loss is not None else torch.zeros((), device=self.device)
         dist.all_reduce(step_loss, group=self.meshes.pp.get_group())
-        norm = self._clip()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        if self.moe is not None:
-            self.moe.after_step()
-        return step_loss, norm
+        return step_loss, self._update()
 
     def train_step(self, micro_batches) -> tuple[torch.Tensor, torch.Tensor]:
         if self.pipeline is not None:
@@ -336,8 +345,7 @@ class Trainer:
         # Data parallel averages gradients over the dp x cp ranks; scaling each rank's loss sum by
         # ranks / (valid tokens of the global batch) makes the step's gradient the mean over every
         # valid token, however they are split over ranks, micro-batches and ignored labels.
-        ranks = self.meshes.dp_cp.size() if self.meshes.dp_cp is not None else 1
-        scale = ranks / self._global_token_count([labels for _, labels, _, _ in batches])
+        scale = self._loss_scale([labels for _, labels, _, _ in batches])
         for inputs_BS, labels_BS, positions, documents_BS in batches:
             with self.loss_context():
                 with autocast:
@@ -349,13 +357,7 @@ class Trainer:
             if isinstance(detached, DTensor):
                 detached = detached.full_tensor()
             step_loss += detached
-        norm = self._clip()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        if self.moe is not None:
-            self.moe.after_step()
-        return step_loss, norm
+        return step_loss, self._update()
 
     @torch.no_grad()
     def validate_loss(self) -> float:
