@@ -210,7 +210,7 @@ LAYOUTS = [
            {**PP2, "dp_shard": 2, "pipeline_schedule": "ZBVZeroBubble", "pipeline_virtual_stages": 2,
             "pipeline_microbatch_size": 1},
            layers=PP2V_LAYERS, bf16=False),  # bf16 ZBV: "PP 2 ZBVZeroBubble"; bf16 FSDP: "PP 2 x FSDP 2, 1F1B"
-    Layout("PP 2 x TP 2 (no SP), 1F1B", 4, {**PP2, "tp": 2, "sequence_parallel": False}, layers=PP2_LAYERS),
+    Layout("PP 2 x TP 2 + SP + loss parallel, 1F1B", 4, {**PP2, "tp": 2}, layers=PP2_LAYERS),
     Layout("PP 2 x CP 2 ring, 1F1B", 4, {**PP2, "cp": 2, "cp_method": "ring"}, layers=PP2_LAYERS),
     Layout("PP 2 x EP 2 capacity (factor 8), 1F1B", 4, {**PP2, "dp_shard": 2, "ep": 2, "expert_capacity_factor": 8},
            models=DEEPSEEK, layers=PP2_LAYERS),

@@ -46,7 +46,8 @@ def test_bad_pipeline_settings_are_one_line_errors(overrides, key):
     assert key in message and "\n" not in message, message
 
 
-def test_sequence_parallel_across_stages_is_refused():
-    with pytest.raises(ConfigError, match="parallelism.sequence_parallel = false"):
-        _validate(("parallelism.tp", "2"), world_size=4)
-    assert _validate(("parallelism.tp", "2"), ("parallelism.sequence_parallel", "false"), world_size=4).dims.tp == 2
+def test_sequence_parallel_across_stages_validates():
+    # Every stage gets the RoPE positions (a later one cannot size them from sequence-sharded
+    # hidden states): tensor parallel keeps its default sequence parallel under pp.
+    plan = _validate(("parallelism.tp", "2"), world_size=4)
+    assert plan.dims.tp == 2 and plan.dims.pp == 2

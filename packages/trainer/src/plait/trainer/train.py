@@ -246,7 +246,10 @@ class Trainer:
             documents = to_device_with_segments(document_positions_BS, self.device)
         layout = self.pm.cp_layout
         if layout is None:
-            return inputs_BS, labels_BS, None, documents
+            # A later pipeline stage receives hidden states, sequence-sharded under sequence
+            # parallel: it cannot size RoPE from them, so every stage gets the positions.
+            positions = torch.arange(inputs_BS.shape[1], device=self.device) if self.pipeline is not None else None
+            return inputs_BS, labels_BS, positions, documents
         from plait.contextparallel import shard_batch, shard_sequence
 
         cp_rank = self.meshes.cp.get_local_rank()

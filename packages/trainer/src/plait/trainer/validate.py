@@ -463,11 +463,6 @@ def _validate_cp(cp_module, model_args, info: dict, dims: ParallelDims, config: 
         raise ConfigError(str(e).splitlines()[0]) from None
 
 
-# Compositions with pipeline parallel that plait-train has proven against one rank (the parity
-# matrix); the others are refused until they are.
-PP_COMPOSES_WITH = ("dp_shard", "dp_replicate", "tp", "cp", "ep")  # tp without sequence parallel
-
-
 def pipeline_microbatches(config: Config) -> int:
     """Pipeline micro-batches per step: the accumulation micro-batches run as one local batch."""
     from plait.pipelineparallel import n_microbatches
@@ -478,20 +473,6 @@ def pipeline_microbatches(config: Config) -> int:
 
 def _validate_pp(pp_module, info: dict, dims: ParallelDims, config: Config) -> None:
     p = config.parallelism
-    others = {k: getattr(dims, k) for k in ("tp", "cp", "ep") if getattr(dims, k) > 1 and k not in PP_COMPOSES_WITH}
-    if others:
-        raise ConfigError(
-            f"parallelism.pp = {dims.pp} with {others}: plait-train does not run this composition yet (issue 23); "
-            "combine pp with dp_shard / dp_replicate only, or set parallelism.pp = 1."
-        )
-    if dims.tp > 1 and p.sequence_parallel:
-        # A later stage receives sequence-sharded hidden states but sizes its RoPE tables and
-        # attention from them as if they were whole rows.
-        raise ConfigError(
-            f"parallelism.pp = {dims.pp} with parallelism.tp = {dims.tp} and parallelism.sequence_parallel = true: "
-            "plait-train does not run sequence parallel across pipeline stages yet; set "
-            "parallelism.sequence_parallel = false."
-        )
     if config.checkpoint.last_save_in_hf:
         raise ConfigError(
             f"checkpoint.last_save_in_hf = true with parallelism.pp = {dims.pp}: the Hugging Face export gathers the "
