@@ -131,7 +131,8 @@ def train(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """The benchmark suite (benchmarks/suite.py): plait vs torchtitan 0.3.0, profiles, scaling;
     appends a dated section to benchmarks/RESULTS.md; then document masking's bench
-    (benchmarks/bench_document_mask.py). Not part of the tests."""
+    (benchmarks/bench_document_mask.py) and the pipeline bubble bench (benchmarks/bench_pipeline.py,
+    also a section in RESULTS.md). Not part of the tests."""
     _install(session, ALL, extras="")
     # torchtitan next to the pinned torch (the constraint keeps pip from replacing it).
     constraints = pathlib.Path(session.create_tmp()) / "torch.txt"
@@ -140,6 +141,8 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/suite.py", *session.posargs)
     # Document masking: causal vs document tokens/s (1 rank, CP 2), FLOPs skipped, CP imbalance.
     session.run("python", "benchmarks/bench_document_mask.py", env={"OMP_NUM_THREADS": "1"})
+    # Pipeline: idle fraction per stage per schedule vs (p - 1) / (m + p - 1), peak memory per stage.
+    session.run("python", "benchmarks/bench_pipeline.py", "--results", "benchmarks/RESULTS.md", env={"OMP_NUM_THREADS": "1"})
 
 
 @nox.session
