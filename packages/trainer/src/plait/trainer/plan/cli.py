@@ -11,6 +11,9 @@ one-line errors, exit 2). The --plan.* flags are the planner's own:
   --plan.device h100|h200     device whose peak, memory and links the step is read against (h100)
   --plan.device_memory_gib G  memory per device (default: the device's)
   --plan.json PATH            also write the plan as JSON
+  --plan.search               list the layouts that fit --plan.world_size, fewest bytes per token first,
+                              each as plait-train flags (plan/search.py)
+  --plan.search_limit N       layouts the search traces at most (default 12)
 """
 
 import json
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 from .. import exit_codes
 from ..config import ConfigError
 
-PLAN_KEYS = ("world_size", "device", "device_memory_gib", "json")
+PLAN_KEYS = ("world_size", "device", "device_memory_gib", "json", "search", "search_limit")
 
 
 @dataclass
@@ -30,6 +33,8 @@ class PlanArgs:
     device: str = "h100"
     device_memory_gib: float | None = None
     json: str | None = None
+    search: bool = False
+    search_limit: int | None = None
 
 
 def split_plan_args(argv: list[str]) -> tuple[PlanArgs, list[str]]:
@@ -47,6 +52,10 @@ def split_plan_args(argv: list[str]) -> tuple[PlanArgs, list[str]]:
         if key not in PLAN_KEYS:
             raise ConfigError(f"unknown option {name!r}: plait-plan takes {', '.join('--plan.' + k for k in PLAN_KEYS)}.")
         value = inline if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+        if key == "search" and not eq:
+            value = argv[i + 1] if i + 1 < len(argv) and argv[i + 1] in ("true", "false") else None
+            plan.search, i = value != "false", i + (2 if value else 1)
+            continue
         if value is None:
             raise ConfigError(f"{name} needs a value.")
         i += 1 if eq else 2
@@ -54,6 +63,14 @@ def split_plan_args(argv: list[str]) -> tuple[PlanArgs, list[str]]:
             if key == "world_size":
                 plan.world_size = int(value)
                 if plan.world_size < 1:
+                    raise ValueError
+            elif key == "search":
+                if value not in ("true", "false"):
+                    raise ValueError
+                plan.search = value == "true"
+            elif key == "search_limit":
+                plan.search_limit = int(value)
+                if plan.search_limit < 1:
                     raise ValueError
             elif key == "device_memory_gib":
                 plan.device_memory_gib = float(value)
@@ -67,6 +84,7 @@ def split_plan_args(argv: list[str]) -> tuple[PlanArgs, list[str]]:
                 plan.json = value
         except ValueError:
             expected = {"world_size": "a number of ranks >= 1", "device_memory_gib": "GiB > 0",
+                        "search": "true or false", "search_limit": "a number of layouts >= 1",
                         "device": " or ".join(DEVICES)}[key]
             raise ConfigError(f"{name} = {value!r}: expected {expected}.") from None
     return plan, rest
@@ -123,10 +141,21 @@ def main(argv: list[str] | None = None) -> int:
         plan_args, rest = split_plan_args(argv)
         args = parse_args(rest)
         config = build_config(load_toml(args.config or DEFAULT_CONFIG), args.overrides)
-        report = make_plan(config, plan_args)
+        if plan_args.search:
+            from .search import format_search, search, search_json
+
+            result = search(config, plan_args, progress=lambda line: print(line, file=sys.stderr, flush=True))
+        else:
+            report = make_plan(config, plan_args)
     except ConfigError as e:
         print(f"plait-plan: error: {e}", file=sys.stderr)
         return exit_codes.CONFIG
+    if plan_args.search:
+        print(format_search(result, config, plan_args))
+        if plan_args.json:
+            with open(plan_args.json, "w") as f:
+                json.dump(search_json(result), f, indent=1)
+        return exit_codes.FINISHED
     from .report import format_report
 
     print(format_report(report))

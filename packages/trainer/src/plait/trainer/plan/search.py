@@ -1,0 +1,336 @@
+"""`plait-plan --plan.search`: the layouts of a model that fit a world of devices, fewest bytes per token first.
+
+    plait-plan --config llama3_8B.toml --plan.search --plan.world_size 64 [--plan.search_limit 12]
+
+For the config's model, sequence length and global batch it enumerates candidates:
+
+- degrees, powers of two with product world_size: dp_replicate, dp_shard, tp <= 8 (inside a node),
+  cp <= 8, and for MoE models ep dividing the routed experts with etp 1 or tp; pp is not searched
+  (plait-plan does not trace pipeline stages yet);
+- activation checkpointing none / selective / full;
+- the micro-batch: local_batch_size x gradient_accumulation_steps = the config's sequences per
+  data-parallel rank at this world size, so the global batch stays the config's (where the data
+  parallel degree is larger than the global batch, one sequence per rank: the output says so).
+
+Each goes through plait-train's `validate` (invalid ones are counted, not shown); the analytic
+estimate of `memory_estimate.py` drops those over twice the usable memory; the rest are traced
+with the real planner (`make_plan`), at most --plan.search_limit of them. Which first: those the
+estimate says fit, in the order of a rough analytic bytes-per-token figure (`_comm_guess`, used for
+that order only; every number printed is traced). Once a layout's degrees fit, their other AC and
+micro-batch variants are not traced (they send more per token: smaller micro-batches repeat
+FSDP's gathers, full AC repeats TP's collectives); once a candidate does not fit, the ones that
+need at least as much memory (same degrees, micro-batch as large, lighter AC) are skipped.
+
+Communication per token: the bytes a rank's collectives put on the wire per step (ring algorithms,
+`collectives.wire_factor`) over the tokens per rank per step (global batch tokens / world size).
+"""
+
+import copy
+import math
+from dataclasses import dataclass, field
+
+from ..config import ConfigError
+from .collectives import wire_factor
+from .devices import DEVICES, GIB
+from .report import HEADROOM
+
+AC_MODES = ("none", "selective", "full")  # lighter memory last
+MAX_TP = 8  # tensor parallel stays inside an 8-GPU node (its collectives are per block)
+MAX_CP = 8
+DEFAULT_LIMIT = 12
+PRUNE_FACTOR = 2.0  # analytic estimate over this x usable memory: not traced
+
+
+@dataclass
+class Candidate:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    cp: int
+    ep: int
+    etp: int
+    local_batch_size: int
+    accumulation: int
+    ac: str
+    estimate: int = 0  # analytic peak bytes (memory_estimate.py)
+    guess: float = 0.0  # analytic wire bytes per token (trace order only)
+
+    @property
+    def degrees(self) -> tuple:
+        return (self.dp_replicate, self.dp_shard, self.tp, self.cp, self.ep, self.etp)
+
+    def overrides(self) -> list[tuple[str, str]]:
+        """The `--section.key value` pairs of this layout, as plait-train's parser yields them."""
+        keys = [("parallelism.dp_replicate", self.dp_replicate), ("parallelism.dp_shard", self.dp_shard),
+                ("parallelism.tp", self.tp), ("parallelism.cp", self.cp), ("parallelism.ep", self.ep),
+                ("parallelism.etp", self.etp), ("parallelism.pp", 1),
+                ("training.local_batch_size", self.local_batch_size),
+                ("training.gradient_accumulation_steps", self.accumulation),
+                ("training.activation_checkpoint", self.ac)]
+        return [(k, str(v)) for k, v in keys]
+
+    def flags(self) -> list[str]:
+        return [s for k, v in self.overrides() for s in (f"--{k}", v)]
+
+    def heavier_or_equal(self, other: "Candidate") -> bool:
+        """Needs at least `other`'s memory: same degrees, a micro-batch as large, AC as light."""
+        return (self.degrees == other.degrees and self.local_batch_size >= other.local_batch_size
+                and AC_MODES.index(self.ac) <= AC_MODES.index(other.ac))
+
+
+@dataclass
+class SearchResult:
+    world_size: int
+    global_sequences: int
+    config_global_sequences: int
+    counts: dict = field(default_factory=dict)
+    fits: list = field(default_factory=list)  # [{candidate, report, comm_bytes_per_token}]
+    not_fitting: list = field(default_factory=list)
+    failed: list = field(default_factory=list)
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [2**i for i in range(int(math.log2(limit)) + 1)] if limit >= 1 else []
+
+
+def _routed_experts(model, info) -> int:
+    experts = info.get("experts", [])
+    return model.get_submodule(experts[0]).w1.shape[0] if experts else 0
+
+
+def degree_layouts(world_size: int, n_experts: int):
+    """(dp_replicate, dp_shard, tp, cp, ep, etp) with powers of two whose dense product is world_size."""
+    if world_size & (world_size - 1):
+        raise ConfigError(f"--plan.world_size = {world_size}: --plan.search lays out powers of two; use one.")
+    for tp in _powers_of_two(min(MAX_TP, world_size)):
+        for cp in _powers_of_two(min(MAX_CP, world_size // tp)):
+            for dp_replicate in _powers_of_two(world_size // (tp * cp)):
+                dp_shard = world_size // (tp * cp * dp_replicate)
+                eps = [e for e in _powers_of_two(world_size) if n_experts and n_experts % e == 0] or [1]
+                for ep in eps:
+                    for etp in sorted({1, tp}) if ep > 1 else [1]:
+                        yield dp_replicate, dp_shard, tp, cp, ep, etp
+
+
+def global_sequences(config, world_size: int) -> int:
+    """Sequences per step of the config at this world size (its own degrees; pure data parallel
+    if they do not divide it)."""
+    from plait.mesh import ParallelDims
+
+    p, t = config.parallelism, config.training
+    try:
+        dims = ParallelDims(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp,
+                            ep=p.ep, etp=p.etp, world_size=world_size)
+        dp = dims.dp_replicate * dims.dp_shard
+    except ValueError:
+        dp = world_size
+    return t.local_batch_size * t.gradient_accumulation_steps * dp
+
+
+def _model_shape(model, info) -> dict:
+    """What `_comm_guess` reads: dense and expert parameters, width, depth, MoE layers, top-k."""
+    from torch import nn
+
+    from ..memory_estimate import _block_dim, _expert_owner
+
+    experts = info.get("experts", [])
+    dense = expert = 0
+    for name, p in model.named_parameters():
+        if _expert_owner(name.rsplit(".", 1)[0], experts):
+            expert += p.numel()
+        else:
+            dense += p.numel()
+    blocks = info.get("blocks", [])
+    first = model.get_submodule(blocks[0]) if blocks else model
+    moe_layers = sum(1 for b in blocks if any(e.startswith(b + ".") for e in experts))
+    top_k = max((getattr(m, "top_k", 1) for m in model.modules() if not isinstance(m, nn.Linear)), default=1)
+    return {"dense": dense, "expert": expert, "dim": _block_dim(model, first), "layers": len(blocks),
+            "moe_layers": moe_layers, "top_k": top_k}
+
+
+def _comm_guess(c: Candidate, shape: dict, seq_len: int, act_bytes: int, world_size: int) -> float:
+    """Rough wire bytes per token of a rank (ring collectives): FSDP's two gathers and fp32
+    reduce-scatter per micro-batch, replicate's fp32 all-reduce per micro-batch (the trainer
+    reduces every micro-batch's gradients), TP's four collectives per block
+    each way (six forward with full AC's recompute), CP's K/V gather and gradient scatter, EP's four
+    all-to-alls per MoE layer. Orders the traces only."""
+    def ring(n):
+        return (n - 1) / n if n > 1 else 0.0
+
+    fsdp = c.dp_shard * c.cp
+    tokens = c.local_batch_size * seq_len / c.cp  # per micro-batch, per cp rank (tp ranks share them)
+    per_micro = (2 * act_bytes + 4) * shape["dense"] / c.tp * ring(fsdp)
+    efsdp = fsdp * c.tp // (c.ep * c.etp) if c.ep > 1 else fsdp
+    per_micro += (2 * act_bytes + 4) * shape["expert"] / (c.ep * c.etp if c.ep > 1 else c.tp) * ring(efsdp)
+    tp_collectives = 8 + (4 if c.ac == "full" else 0)
+    per_micro += shape["layers"] * tp_collectives * tokens * shape["dim"] * act_bytes * ring(c.tp)
+    per_micro += shape["layers"] * 2 * 2 * tokens * c.cp * shape["dim"] / 2 / c.tp * act_bytes * ring(c.cp)
+    ep_calls = 4 + (2 if c.ac == "full" else 0)
+    per_micro += shape["moe_layers"] * ep_calls * tokens / c.tp * shape["top_k"] * shape["dim"] * act_bytes * ring(c.ep)
+    per_micro += 4 * (shape["dense"] / (c.tp * fsdp)) * 2 * ring(c.dp_replicate)
+    per_step = per_micro * c.accumulation
+    tokens_per_rank = c.local_batch_size * c.accumulation * seq_len * c.dp_replicate * c.dp_shard / world_size
+    return per_step / tokens_per_rank
+
+
+def traced_comm_per_token(report: dict, world_size: int) -> float:
+    """Wire bytes per token of a traced plan (see the module docstring)."""
+    wire = sum(c["bytes"] * wire_factor(c["kind"], c["ranks"]) for c in report["communication"])
+    layout = report["layout"]
+    b, s = report["micro_batch"]
+    tokens = b * s * report["gradient_accumulation_steps"] * layout["dp_replicate"] * layout["dp_shard"] / world_size
+    return wire / tokens
+
+
+def _with(config, c: Candidate):
+    from ..config import set_value
+
+    candidate = copy.deepcopy(config)
+    for key, value in c.overrides():
+        set_value(candidate, key, value)  # plait-train's own path for --section.key value
+    return candidate
+
+
+def search(config, plan_args, progress=None) -> SearchResult:
+    """Enumerate, validate, prune and trace (module docstring); `progress(line)` hears each trace."""
+    from ..memory_estimate import estimate_memory
+    from ..validate import validate
+    from .cli import PlanArgs, make_plan
+
+    world = plan_args.world_size
+    if not world:
+        raise ConfigError("--plan.search needs --plan.world_size N (the ranks to lay the model out on).")
+    limit = plan_args.search_limit if plan_args.search_limit is not None else DEFAULT_LIMIT
+    device = DEVICES[plan_args.device]
+    usable = (plan_args.device_memory_gib or device.memory_gib) * GIB * (1 - HEADROOM)
+    base = copy.deepcopy(config)
+    base.parallelism.pp = 1
+    first = validate(_with(base, Candidate(1, world, 1, 1, 1, 1, 1, 1, "none")), world_size=world)
+    n_experts = _routed_experts(first.model, first.info)
+    shape = _model_shape(first.model, first.info)
+    seq_len = config.training.seq_len
+    act_bytes = 2 if config.training.dtype == "bfloat16" else 4
+    wanted = global_sequences(config, world)
+    result = SearchResult(world, 0, wanted)
+    counts = {"candidates": 0, "invalid": 0, "over_memory": 0, "traced": 0, "fit": 0, "do_not_fit": 0,
+              "trace_failed": 0, "not_traced_limit": 0, "variants_of_fitting": 0, "heavier_than_not_fitting": 0}
+    queue, valid_cache = [], {}
+    for degrees in degree_layouts(world, n_experts):
+        dp = degrees[0] * degrees[1]
+        per_rank = wanted // dp if wanted % dp == 0 and wanted >= dp else 1
+        result.global_sequences = max(result.global_sequences, per_rank * dp)
+        for lbs in [b for b in _powers_of_two(per_rank) if per_rank % b == 0]:
+            for ac in AC_MODES:
+                c = Candidate(*degrees, lbs, per_rank // lbs, ac)
+                counts["candidates"] += 1
+                key = (degrees, lbs)  # validate reads no AC setting: once per degrees and micro-batch
+                if key not in valid_cache:
+                    try:
+                        valid_cache[key] = validate(_with(base, c), world_size=world)
+                    except ConfigError:
+                        valid_cache[key] = None
+                plan = valid_cache[key]
+                if plan is None:
+                    counts["invalid"] += 1
+                    continue
+                candidate_config = _with(base, c)
+                c.estimate = estimate_memory(candidate_config, plan.dims, plan.model, plan.info).total
+                if c.estimate > PRUNE_FACTOR * usable:
+                    counts["over_memory"] += 1
+                    continue
+                c.guess = _comm_guess(c, shape, seq_len, act_bytes, world)
+                queue.append(c)
+    # Equal guesses (no FSDP to repeat): the larger micro-batch, then the lighter AC (less recompute).
+    queue.sort(key=lambda c: (c.estimate > usable, c.guess, -c.local_batch_size, AC_MODES.index(c.ac)))
+    fitting_degrees, refused = set(), []
+    for c in queue:
+        if c.degrees in fitting_degrees:
+            counts["variants_of_fitting"] += 1
+            continue
+        if any(c.heavier_or_equal(r) for r in refused):
+            counts["heavier_than_not_fitting"] += 1
+            continue
+        if counts["traced"] >= limit:
+            counts["not_traced_limit"] += 1
+            continue
+        counts["traced"] += 1
+        args = PlanArgs(world_size=world, device=plan_args.device, device_memory_gib=plan_args.device_memory_gib)
+        try:
+            report = make_plan(_with(base, c), args)
+        except Exception as e:  # noqa: BLE001 - a layout the tracer cannot follow is reported, not fatal
+            counts["trace_failed"] += 1
+            result.failed.append({"flags": c.flags(), "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"})
+            continue
+        row = {"flags": c.flags(), "comm_bytes_per_token": traced_comm_per_token(report, world),
+               "analytic_estimate": c.estimate, "report": report}
+        if report["fits"]:
+            counts["fit"] += 1
+            fitting_degrees.add(c.degrees)
+            result.fits.append(row)
+        else:
+            counts["do_not_fit"] += 1
+            refused.append(c)
+            result.not_fitting.append(row)
+        if progress:
+            progress(f"traced {counts['traced']}/{limit}: {' '.join(c.flags())}: peak "
+                     f"{report['memory']['peak'] / GIB:.1f} GiB, {'fits' if report['fits'] else 'does not fit'}")
+    result.fits.sort(key=lambda r: r["comm_bytes_per_token"])
+    result.counts = counts
+    return result
+
+
+def _layout(flags: list[str]) -> str:
+    """A short name of a candidate's flags: the degrees above 1, the micro-batch and AC."""
+    v = {k.rsplit(".", 1)[1]: value for k, value in zip(flags[::2], flags[1::2])}
+    degrees = " x ".join(f"{k} {v[k]}" for k in ("dp_replicate", "dp_shard", "tp", "cp", "ep", "etp") if v[k] != "1")
+    return (f"{degrees or 'one rank'}, micro-batch {v['local_batch_size']} x {v['gradient_accumulation_steps']}, "
+            f"AC {v['activation_checkpoint']}")
+
+
+def format_search(r: SearchResult, config, plan_args) -> str:
+    c = r.counts
+    device = DEVICES[plan_args.device]
+    memory = plan_args.device_memory_gib or device.memory_gib
+    batch_note = "" if r.global_sequences == r.config_global_sequences else (
+        f" (the config's {r.config_global_sequences} is fewer than some layouts' data-parallel ranks: one "
+        "sequence per rank there)")
+    lines = [
+        f"plait-plan --plan.search: {config.model.name} {config.model.flavor} on {r.world_size} ranks of "
+        f"{device.name}, {memory:.1f} GiB ({memory * (1 - HEADROOM):.1f} usable), global batch up to "
+        f"{r.global_sequences} x {config.training.seq_len} tokens{batch_note}",
+        f"searched: dp_replicate, dp_shard, tp <= {MAX_TP}, cp <= {MAX_CP}, ep (dividing the routed experts), etp "
+        "(1 or tp), AC none / selective / full, micro-batch x accumulation; pp not searched (plait-plan does "
+        "not trace pipeline stages yet)",
+        f"{c['candidates']} candidates: {c['invalid']} invalid (plait-train's validation), {c['over_memory']} over "
+        f"{PRUNE_FACTOR:g}x the usable memory by the analytic estimate, {c['traced']} traced ({c['fit']} fit, "
+        f"{c['do_not_fit']} do not, {c['trace_failed']} failed to trace), {c['not_traced_limit']} not traced "
+        f"(--plan.search_limit {c['traced'] if c['not_traced_limit'] else 'not reached'}), "
+        f"{c['variants_of_fitting']} AC / micro-batch variants of degrees that already fit, "
+        f"{c['heavier_than_not_fitting']} needing at least the memory of one that does not fit",
+        "",
+    ]
+    if not r.fits:
+        lines.append("no traced layout fits" + (": raise --plan.search_limit, or the world size"
+                                                if c["not_traced_limit"] else ": raise the world size"))
+    else:
+        lines.append(" #  comm/token  comm GiB/step  comm ms  compute ms  peak GiB  layout")
+        for i, row in enumerate(r.fits, 1):
+            rep = row["report"]
+            comm = sum(x["bytes"] for x in rep["communication"])
+            lines.append(f"{i:2d}  {row['comm_bytes_per_token'] / 1024:6.1f} KiB  {comm / GIB:13.2f}  "
+                         f"{rep['communication_seconds'] * 1e3:7.1f}  {rep['compute_seconds'] * 1e3:10.1f}  "
+                         f"{rep['memory']['peak'] / GIB:8.2f}  {_layout(row['flags'])}")
+            lines.append("    " + " ".join(row["flags"]))
+    for row in r.not_fitting:
+        lines.append(f"  does not fit (peak {row['report']['memory']['peak'] / GIB:.1f} GiB): {_layout(row['flags'])}")
+    for row in r.failed:
+        lines.append(f"  failed to trace: {_layout(row['flags'])}: {row['error']}")
+    lines += ["", "comm/token: wire bytes of a rank's collectives per step (ring algorithms) over its tokens per step "
+              "(global batch tokens / ranks); flags: after plait-train --config <the same config and flags>"]
+    return "\n".join(lines)
+
+
+def search_json(r: SearchResult) -> dict:
+    return {"world_size": r.world_size, "global_sequences": r.global_sequences,
+            "config_global_sequences": r.config_global_sequences, "counts": r.counts, "pp_searched": False,
+            "fits": r.fits, "not_fitting": r.not_fitting, "failed": r.failed}
