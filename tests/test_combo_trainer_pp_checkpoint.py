@@ -13,6 +13,8 @@ losses away from the resumed runs', which did not validate at step 2.
 import shutil
 from pathlib import Path
 
+import torch
+
 from plait.mesh.testing import run_on_ranks
 from plait.trainer.testing import parity_args
 
@@ -68,3 +70,39 @@ def test_pp2_checkpoint_resumes_on_pp1_and_pp4(tmp_path):
         assert abs(val[4] - straight_val[4]) <= 1e-5, (ranks, val, straight_val)
         for step in (3, 4):
             assert abs(resumed[step] - straight[step]) <= 1e-5, (ranks, step, resumed[step], straight[step])
+
+
+def test_pp2_sigkill_resume_is_bit_identical_and_the_hf_export_holds_every_stage(tmp_path):
+    """Real processes under PP 2 (torchrun through plait-train): a run SIGKILLed right after its
+    step-2 save and started again with the same command reproduces the uninterrupted run's losses
+    exactly; the uninterrupted run's Hugging Face export (each stage's ranks write their layers)
+    holds exactly the weights of its last DCP checkpoint."""
+    from plait.trainer.checkpoint.hf_export import read_hf_state, read_model_state, recorded_args
+    from plait.trainer.testing import run_cli
+
+    args = [*COMMON, "--nproc-per-node", "2", *LAYOUTS[2]]
+    straight = tmp_path / "straight"
+    run_cli(straight, *args, "--checkpoint.last_save_in_hf", "true", "--checkpoint.export_dtype", "float32",
+            timeout=300)
+    killed = tmp_path / "killed"
+    result = run_cli(killed, *args, env={"PLAIT_TEST_KILL_AFTER_SAVE": "2"}, expect=None, timeout=300)
+    assert result.returncode != 0
+    result = run_cli(killed, *args, timeout=300)
+    assert "step-000002 (step 2, same layout, RNG restored)" in result.stdout, result.stdout[-2000:]
+    expected, resumed = _metrics(straight), _metrics(killed)
+    for step in range(3, STEPS + 1):
+        assert resumed[step] == expected[step], (step, resumed[step], expected[step])
+
+    saved, meta = read_model_state(straight / "checkpoints" / "step-000004")
+    hf_folder = straight / "checkpoints" / "hf-step-000004"
+    assert len(list(hf_folder.glob("model-*.safetensors"))) == 2  # one writer per stage
+    exported = read_hf_state(hf_folder, "llama3", "debugmodel", recorded_args("llama3", "debugmodel", meta))
+    assert exported.keys() == saved.keys()
+    for name, tensor in saved.items():
+        assert torch.equal(exported[name], tensor), name
+
+
+def _metrics(dump: Path) -> dict[int, float]:
+    import json
+
+    return {row["step"]: row["loss"] for row in map(json.loads, (dump / "metrics.jsonl").read_text().splitlines())}

@@ -35,8 +35,6 @@ def test_a_pipeline_layout_validates():
         ([("parallelism.pipeline_schedule", "ZBVZeroBubble")], "parallelism.pipeline_schedule = 'ZBVZeroBubble' is a V"),
         ([("model.n_layers", "3")], "parallelism.pp = 2 x parallelism.pipeline_virtual_stages = 1"),
         ([("model.tie_embeddings", "true")], "parallelism.pp > 1 puts the embedding"),
-        ([("checkpoint.enable", "true"), ("checkpoint.last_save_in_hf", "true")],
-         "checkpoint.last_save_in_hf = true with parallelism.pp = 2"),
     ],
 )
 def test_bad_pipeline_settings_are_one_line_errors(overrides, key):

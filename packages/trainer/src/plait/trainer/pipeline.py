@@ -34,6 +34,8 @@ class StageUnion(nn.Module):
     def __init__(self, modules: list[nn.Module]):
         super().__init__()
         self.stage_modules = modules  # a plain list: not registered, so not part of the FQNs
+        # The model's arguments, as the whole model has them (checkpoint markers, HF export).
+        self.args = getattr(modules[0], "args", None)
         for module in modules:
             for name, child in module.named_children():
                 if isinstance(child, nn.ModuleDict):

@@ -473,12 +473,6 @@ def pipeline_microbatches(config: Config) -> int:
 
 def _validate_pp(pp_module, info: dict, dims: ParallelDims, config: Config) -> None:
     p = config.parallelism
-    if config.checkpoint.last_save_in_hf:
-        raise ConfigError(
-            f"checkpoint.last_save_in_hf = true with parallelism.pp = {dims.pp}: the Hugging Face export gathers the "
-            "model on one rank, which holds one stage under pp; set it to false and export from the DCP checkpoint "
-            "on a pp = 1 run (checkpoints resume on any pp degree)."
-        )
     if p.replicate_impl == "ddp" and dims.dp_replicate > 1:
         raise ConfigError(
             f"parallelism.pp = {dims.pp} with parallelism.replicate_impl = 'ddp': use replicate_impl = 'fsdp'."

@@ -10,7 +10,8 @@ shard plus at most one layer, not the whole model (a 70B model: ~1 GB per layer 
 
 Export: layers are dealt out to the ranks; for each layer every rank joins the all-gathers of its
 parameters (`full_tensor()`), the owner keeps the full tensors, converts them with `to_hf` and
-writes them into its own `model-0000r-of-0000N.safetensors`; rank 0 writes
+writes them into its own `model-0000r-of-0000N.safetensors` (under pipeline parallel each stage's
+ranks deal out that stage's layers among themselves); rank 0 writes
 `model.safetensors.index.json` (the layout transformers loads) and `config.json`, then publishes
 the folder by renaming it. A rank holds at most its share of the model plus one layer.
 """
@@ -18,6 +19,7 @@ the folder by renaming it. A rank holds at most its share of the model plus one 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -226,21 +228,21 @@ def export_hf_sharded(model: torch.nn.Module, output: str | Path, model_name: st
     for name in local:
         groups.setdefault(_group(name), []).append(name)
     order = sorted(groups)
-    writers = min(world, len(order))
+    peer, peers, first_file, files = _writers(local, len(order), rank, world)
     mine: dict[str, torch.Tensor] = {}
     for i, layer in enumerate(order):
-        owner = i % writers
+        owner = i % min(peers, len(order))
         full = {}
-        for name in groups[layer]:  # every rank joins each all-gather, in the same order
+        for name in groups[layer]:  # every peer joins each all-gather, in the same order
             t = local[name]
             t = t.full_tensor() if isinstance(t, DTensor) else t
-            if rank == owner:
+            if peer == owner:
                 full[name] = t.detach().to("cpu", dtype)
-        if rank == owner:
+        if peer == owner:
             hf = spec.hf_adapter.to_hf(full, args)
             mine.update({k: v.contiguous() if v.is_contiguous() else v.contiguous().clone() for k, v in hf.items()})
         del full
-    file = f"model-{rank + 1:05d}-of-{writers:05d}.safetensors"
+    file = f"model-{first_file + peer + 1:05d}-of-{files:05d}.safetensors"
     _barrier()  # rank 0 has made the folder
     if mine:
         save_file_like_open(_unshared(mine), tmp / file, metadata={"format": "pt"})  # 0644, not 0600
@@ -267,6 +269,22 @@ def export_hf_sharded(model: torch.nn.Module, output: str | Path, model_name: st
     if verdict[0] == "error":
         raise store.CheckpointError(verdict[1])
     return output
+
+
+def _writers(local: dict, n_groups: int, rank: int, world: int) -> tuple[int, int, int, int]:
+    """(this rank's index among its peers, the peers, the first file index of its peers, files
+    in all). Peers are the ranks holding the same parameters: every rank without pipeline
+    parallel, one pp stage's ranks with it (their DTensors' collectives span just them). Each
+    peer set deals its layers out to min(peers, layers) writers, one file each."""
+    if not dist.is_initialized():
+        return 0, 1, 0, 1
+    names = hashlib.sha256("\n".join(sorted(local)).encode()).hexdigest()  # not the names: 512 ranks gather it
+    keys = [None] * world
+    dist.all_gather_object(keys, (names, n_groups))
+    sets = list(dict.fromkeys(keys))  # in order of their first rank
+    writers = [min(keys.count(key), key[1]) for key in sets]
+    mine = sets.index(keys[rank])
+    return keys[:rank].count(keys[rank]), keys.count(keys[rank]), sum(writers[:mine]), sum(writers)
 
 
 def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
