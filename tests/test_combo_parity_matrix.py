@@ -70,6 +70,7 @@ MODEL_ARGS = {
                     "--model.qk_nope_head_dim", "32", "--model.qk_rope_head_dim", "32", "--model.v_head_dim", "32"],
 }  # fmt: skip
 MOE_LAYERS = 2
+DENSE_LAYERS = 1  # DeepSeek-V3 debug: block 0 is dense
 # fp32 and deterministic kernels: what differs between layouts is the order of sums (sharded
 # reductions, blockwise attention), ~1e-7 per step, grown by 10 optimizer steps. (At lr 3e-3 the
 # MoE model trains chaotically: the 1-rank run itself amplifies a 1e-7 change to 1e-1 in 10 steps
@@ -129,10 +130,18 @@ class Layout:
         return list(range(2 if self.parallelism.get("pp", 1) > 1 else 1, steps + 1))
 
     def expected_host_syncs(self) -> int:
-        """Per step: dropless expert parallel syncs once per MoE layer and micro-batch; nothing else does."""
+        """Per step (rank 0's): dropless expert parallel syncs once per MoE layer and micro-batch;
+        nothing else does. Under pipeline parallel: rank 0's stage's MoE layers, once per
+        pipeline micro-batch."""
         if self.parallelism.get("ep", 1) == 1 or self.parallelism.get("expert_capacity_factor"):
             return 0
-        return MOE_LAYERS * self.training.get("gradient_accumulation_steps", 1)
+        accumulation = self.training.get("gradient_accumulation_steps", 1)
+        if self.parallelism.get("pp", 1) == 1:
+            return MOE_LAYERS * accumulation
+        assert "pipeline_virtual_stages" not in self.parallelism, "count rank 0's stages"
+        first_stage_blocks = int(self.layers["deepseek_v3"].split(",")[0])
+        micro_batches = GLOBAL_BATCH // self.dims().dp // self.parallelism["pipeline_microbatch_size"]
+        return (first_stage_blocks - DENSE_LAYERS) * micro_batches
 
 
 DEEPSEEK = ("deepseek_v3",)
@@ -212,8 +221,8 @@ LAYOUTS = [
            layers=PP2V_LAYERS, bf16=False),  # bf16 ZBV: "PP 2 ZBVZeroBubble"; bf16 FSDP: "PP 2 x FSDP 2, 1F1B"
     Layout("PP 2 x TP 2 + SP + loss parallel, 1F1B", 4, {**PP2, "tp": 2}, layers=PP2_LAYERS),
     Layout("PP 2 x CP 2 ring, 1F1B", 4, {**PP2, "cp": 2, "cp_method": "ring"}, layers=PP2_LAYERS),
-    Layout("PP 2 x EP 2 capacity (factor 8), 1F1B", 4, {**PP2, "dp_shard": 2, "ep": 2, "expert_capacity_factor": 8},
-           models=DEEPSEEK, layers=PP2_LAYERS),
+    # Dropless, as the shipped 671B config runs (capacity mode is the same code under pp).
+    Layout("PP 2 x EP 2 dropless, 1F1B", 4, {**PP2, "dp_shard": 2, "ep": 2}, models=DEEPSEEK, layers=PP2_LAYERS),
     # 8 ranks with pipeline parallel
     Layout("PP 2 x FSDP 2 x TP 2 (no SP), 1F1B", 8, {**PP2, "dp_shard": 2, "tp": 2, "sequence_parallel": False},
            layers=PP2_LAYERS),
