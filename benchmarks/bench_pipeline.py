@@ -66,7 +66,7 @@ from plait.pipelineparallel import build_pipeline, schedule_style, split_stages,
 N_LAYERS, SEQ, MICROBATCH_SIZE = 8, 256, 1
 # name -> virtual stages per rank
 SCHEDULES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2, "ZBVZeroBubble": 2}
-DEFAULT_MICROBATCHES = {2: [4, 8, 16], 4: [8]}  # PP 4 oversubscribes 2 cores: one m, where ZBV runs too
+DEFAULT_MICROBATCHES = {2: [4, 8, 16], 4: [4, 8, 16]}  # ZBV at PP 4 needs m >= 8: skipped at 4
 
 
 def theory(schedule: str, p: int, m: int) -> float:
@@ -143,14 +143,14 @@ def _summed_ce(logits_BSV, labels_BS):
     return F.cross_entropy(logits_BSV.flatten(0, 1), labels_BS.flatten(), reduction="sum")
 
 
-def _case(rank, meshes, schedule: str, n_mb: int, steps: int) -> dict:
+def _timed_step(meshes, schedule: str, n_mb: int):
+    """Build `schedule` over this rank's stages; return a step function giving (wall s, busy s)."""
     pp = meshes.pp_degree
     model = _model()
     info = model.parallel_info()
     virtual = SCHEDULES[schedule]
     validate_pipeline_parallel(info, pp, schedule, n_mb, None, virtual)
     stages = split_stages(model, info, pp, meshes.pp_rank, None, virtual, schedule_style(schedule))
-    del model
     pipeline = build_pipeline(stages, meshes.pp.get_group(), schedule, n_mb, _summed_ce, "cpu")
     spans: list[float] = []
     _instrument(pipeline, spans)
@@ -166,17 +166,31 @@ def _case(rank, meshes, schedule: str, n_mb: int, steps: int) -> dict:
         pipeline.step(inputs, labels, scale=scale)
         return time.perf_counter() - t0, sum(spans)
 
-    step()  # warm-up: torch's shape inference, first allocations
-    walls, busies = zip(*(step() for _ in range(steps)))
-    with LiveBytes() as live:
-        step()
-    return {"wall": list(walls), "busy": list(busies), "peak": live.peak,
-            "grads": sum(p.numel() * p.element_size() for m in pipeline.modules for p in m.parameters())}
+    step.param_bytes = sum(p.numel() * p.element_size() for m in pipeline.modules for p in m.parameters())
+    return step
 
 
 def _rank_main(rank, world_size, cases, steps):
+    """Every case on this rank. The schedules of one micro-batch count take turns step by step, so
+    load from other processes on the shared cores falls on all of them alike (the ratios vs 1F1B)."""
     meshes = build_meshes(ParallelDims(pp=world_size, dp_shard=1, world_size=world_size))
-    return {case: _case(rank, meshes, *case, steps) for case in cases}
+    out = {}
+    for n_mb in dict.fromkeys(m for _, m in cases):
+        group = [c for c in cases if c[1] == n_mb]
+        steps_by_case = {c: _timed_step(meshes, *c) for c in group}
+        for step in steps_by_case.values():
+            step()  # warm-up: torch's shape inference, first allocations
+        timed = {c: [] for c in group}
+        for _ in range(steps):
+            for c, step in steps_by_case.items():
+                timed[c].append(step())
+        for c, step in steps_by_case.items():
+            with LiveBytes() as live:
+                step()
+            walls, busies = zip(*timed[c])
+            out[c] = {"wall": list(walls), "busy": list(busies), "peak": live.peak, "params": step.param_bytes}
+        del steps_by_case
+    return out
 
 
 def _parse_microbatches(items: list[str], pps: list[int]) -> dict[int, list[int]]:
@@ -207,9 +221,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pp", default="2,4", help="pipeline degrees, comma-separated (one spawn each)")
     parser.add_argument("--microbatches", nargs="+", metavar="[PP=]M,M",
-                        help="micro-batch counts: '4,8' for every pp or '4=8' for one (default 2=4,8,16 4=8)")
+                        help="micro-batch counts: '4,8' for every pp or '4=8,16' for one (default 2=4,8,16 4=4,8,16)")
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per case (after 1 warm-up)")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per case (after 1 warm-up)")
     parser.add_argument("--results", metavar="PATH", help="also put the table into this markdown file, newest first")
     args = parser.parse_args()
     pps = [int(p) for p in args.pp.split(",")]
@@ -218,10 +232,11 @@ def main():
     if "1F1B" not in schedules:
         schedules.insert(0, "1F1B")  # every ratio is against 1F1B at the same (pp, m)
     cores = len(os.sched_getaffinity(0))
-    started = time.time()
+    started, load_before = time.time(), os.getloadavg()[0]
     head = (f"Llama 3 debug widened to {N_LAYERS} layers (dim 256, vocab 2048), seq {SEQ}, micro-batch size "
             f"{MICROBATCH_SIZE}, fp32; {cores} CPU cores, one thread per rank, gloo; torch {torch.__version__}; "
-            f"commit {_commit()}; {args.steps} timed steps per case (median) after 1 warm-up, peak from 1 more.")
+            f"commit {_commit()}; {args.steps} timed steps per case (medians; the schedules of one m take turns step "
+            f"by step) after 1 warm-up, peak from 1 more. pp* = more ranks than cores (oversubscribed).")
     print(head, flush=True)
     lines = ["| schedule | pp | m | idle per rank (measured) | mean idle | theory | step s | vs 1F1B | "
              "peak MiB per rank |", "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- |"]
@@ -236,22 +251,23 @@ def main():
             notes.append(f"PP {pp} runs {pp} ranks on {cores} cores (oversubscribed): ranks take turns on the "
                          f"cores, so compute stretches and idle reads low; compare PP {pp} rows with each other.")
         results = run_on_ranks(_rank_main, pp, cases, args.steps, timeout=3600)
-        grads = [r[cases[0]]["grads"] / 2**20 for r in results]
+        grads = [r[cases[0]]["params"] / 2**20 for r in results]
         notes.append(f"PP {pp}: parameters (= gradient bytes, in the peak) per rank "
                      f"{', '.join(f'{g:.1f}' for g in grads)} MiB for 1-stage schedules.")
         step_s = {c: statistics.median(max(ws) for ws in zip(*(r[c]["wall"] for r in results))) for c in cases}
         for s, m in cases:
-            idle = [1 - sum(r[(s, m)]["busy"]) / sum(r[(s, m)]["wall"]) for r in results]
+            idle = [statistics.median(1 - b / w for b, w in zip(r[(s, m)]["busy"], r[(s, m)]["wall"]))
+                    for r in results]
             base = step_s.get(("1F1B", m))
-            row = (f"| {s} | {pp} | {m} | {' / '.join(f'{i:.2f}' for i in idle)} | {statistics.mean(idle):.2f} | "
+            row = (f"| {s} | {pp}{'*' if pp > cores else ''} | {m} | {' / '.join(f'{i:.2f}' for i in idle)} | {statistics.mean(idle):.2f} | "
                    f"{theory(s, pp, m):.2f} | {step_s[(s, m)]:.2f} | ")
             row += f"{step_s[(s, m)] / base:.2f} | " if base else "- | "
             row += " / ".join(f"{r[(s, m)]['peak'] / 2**20:.0f}" for r in results) + " |"
-            row += " (oversubscribed)" if pp > cores else ""
             lines.append(row)
             print(row, flush=True)
     minutes = (time.time() - started) / 60
-    notes.append(f"Whole run: {minutes:.1f} min.")
+    notes.append(f"Whole run: {minutes:.1f} min; load average (1 min) {load_before:.1f} before, "
+                 f"{os.getloadavg()[0]:.1f} after (above {cores}: other processes shared the cores).")
     print("\n" + "\n".join(notes))
     if args.results:
         section = (f"## Pipeline bubble and memory per stage (CPU, gloo), {datetime.date.today()} "
