@@ -63,3 +63,81 @@ def test_table_json_and_fit(tmp_path, capsys):
     too_small = memory["peak"] / 2**30 * 1.05
     assert plan_cli.main([*flags, "--plan.device_memory_gib", str(too_small)]) == 0
     assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+def _search(tmp_path, monkeypatch, extra=()):
+    """--plan.search over data-parallel layouts only (this session has no tp / cp packages; the
+    search would count those as invalid anyway) of the debug model at 2 ranks."""
+    from plait.trainer.plan import search as plan_search
+
+    monkeypatch.setattr(plan_search, "MAX_TP", 1)
+    monkeypatch.setattr(plan_search, "MAX_CP", 1)
+    out = tmp_path / "search.json"
+    base = ["--job.dump_folder", str(tmp_path), "--model.n_layers", "1", "--training.local_batch_size", "2",
+            "--training.seq_len", "32"]
+    argv = [*base, "--plan.search", "--plan.world_size", "2", "--plan.json", str(out), *extra]
+    return base, argv, out
+
+
+def test_search_lists_valid_fitting_layouts_by_comm_per_token_as_plait_train_flags(tmp_path, monkeypatch, capsys):
+    from plait.trainer.plan.search import traced_comm_per_token
+    from plait.trainer.validate import validate
+
+    base, argv, out = _search(tmp_path, monkeypatch)
+    assert plan_cli.main(argv) == 0
+    table = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    counts, fits = result["counts"], result["fits"]
+    # 2 degree layouts (dp_shard 2, dp_replicate 2) x micro-batch 1 x 2 or 2 x 1 x AC none / selective / full.
+    assert counts["candidates"] == 12 and counts["invalid"] == 0
+    assert counts["traced"] == counts["fit"] == len(fits) == 2  # one per degree layout, the rest are its variants
+    assert counts["variants_of_fitting"] == 10 and not result["pp_searched"]
+    per_token = [row["comm_bytes_per_token"] for row in fits]
+    assert per_token == sorted(per_token) and per_token[0] > 0
+    assert "--parallelism.dp_shard 2" in table and "pp not searched" in table
+    for row in fits:
+        assert row["report"]["fits"]
+        assert row["comm_bytes_per_token"] == traced_comm_per_token(row["report"], 2)
+        # The flags go through plait-train's own parser into the same layout, which validates.
+        parsed = train_cli.parse_args([*base, *row["flags"]])
+        config = plan_cli_config(parsed)
+        plan = validate(config, world_size=2)
+        layout = row["report"]["layout"]
+        assert (plan.dims.dp_replicate, plan.dims.dp_shard, plan.dims.tp) == (layout["dp_replicate"],
+                                                                            layout["dp_shard"], layout["tp"])
+        t = config.training
+        assert [t.local_batch_size, t.seq_len] == row["report"]["micro_batch"]
+        assert t.gradient_accumulation_steps == row["report"]["gradient_accumulation_steps"]
+        assert t.activation_checkpoint == row["report"]["activation_checkpoint"] == "none"
+        # The config's global batch (2 x 2 ranks) is kept.
+        assert t.local_batch_size * t.gradient_accumulation_steps * layout["dp_replicate"] * layout["dp_shard"] == 4
+
+
+def plan_cli_config(parsed):
+    from plait.trainer.cli import DEFAULT_CONFIG
+    from plait.trainer.config import build_config, load_toml
+
+    return build_config(load_toml(parsed.config or DEFAULT_CONFIG), parsed.overrides)
+
+
+def test_search_on_a_device_too_small_lists_none(tmp_path, monkeypatch, capsys):
+    _, argv, out = _search(tmp_path, monkeypatch, ["--plan.device_memory_gib", "0.001"])
+    assert plan_cli.main(argv) == 0
+    assert "no traced layout fits" in capsys.readouterr().out
+    counts = json.loads(out.read_text())["counts"]
+    assert json.loads(out.read_text())["fits"] == []
+    # The analytic estimate drops what is over twice the memory; what is traced and does not fit
+    # rules out every candidate needing at least its memory.
+    assert counts["over_memory"] + counts["do_not_fit"] + counts["heavier_than_not_fitting"] == counts["candidates"]
+
+
+@pytest.mark.parametrize("extra, words", [
+    ([], "--plan.search needs --plan.world_size"),
+    (["--plan.world_size", "6"], "powers of two"),
+    (["--plan.world_size", "2", "--plan.search_limit", "0"], "--plan.search_limit = '0'"),
+    (["--plan.world_size", "2", "--plan.search=maybe"], "--plan.search = 'maybe'"),
+])
+def test_search_bad_input_is_one_line_and_exit_2(extra, words, tmp_path, capsys):
+    assert plan_cli.main(["--job.dump_folder", str(tmp_path), "--plan.search", *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("plait-plan: error: ") and words in err and "\n" not in err

@@ -108,9 +108,6 @@ def make_plan(config, plan_args: PlanArgs) -> dict:
 
     world_size = plan_args.world_size or default_world_size(config)
     plan = validate(config, world_size=world_size)
-    if plan.dims.pp > 1:
-        raise ConfigError(f"parallelism.pp = {plan.dims.pp}: plait-plan does not trace pipeline stages yet (issue 24); "
-                          "plan the layout with parallelism.pp = 1.")
     # Compiled blocks run the same ops; the trace runs them eagerly (no compiler under fake tensors).
     traced_config = dataclasses.replace(config, training=dataclasses.replace(config.training, compile=False))
     traced = trace_step(traced_config, plan)

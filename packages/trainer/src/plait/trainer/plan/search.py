@@ -73,8 +73,10 @@ class Candidate:
         return [s for k, v in self.overrides() for s in (f"--{k}", v)]
 
     def heavier_or_equal(self, other: "Candidate") -> bool:
-        """Needs at least `other`'s memory: same degrees, a micro-batch as large, AC as light."""
-        return (self.degrees == other.degrees and self.local_batch_size >= other.local_batch_size
+        """Needs at least `other`'s memory: the same tp, cp, ep and etp, FSDP over as few ranks
+        (replicas hold as much as one shard group), a micro-batch as large, AC as light."""
+        return ((self.tp, self.cp, self.ep, self.etp) == (other.tp, other.cp, other.ep, other.etp)
+                and self.dp_shard <= other.dp_shard and self.local_batch_size >= other.local_batch_size
                 and AC_MODES.index(self.ac) <= AC_MODES.index(other.ac))
 
 
@@ -191,11 +193,50 @@ def _with(config, c: Candidate):
     return candidate
 
 
+def _trace_in_child(config, plan_args) -> dict:
+    """make_plan in a forked child: each trace starts from a clean torch (process-group names and
+    DTensor's caches of one fake world break the next one in the same process), without paying
+    the imports again."""
+    import multiprocessing
+    import traceback
+
+    # What a trace imports, imported once here: every child inherits it instead of paying seconds.
+    from torch._subclasses import fake_tensor  # noqa: F401
+    from torch.testing._internal.distributed import fake_pg  # noqa: F401
+
+    from .. import lr_scheduler, moe_step, optimizer, parallelize, train  # noqa: F401
+    from . import report, trace  # noqa: F401
+    from .cli import make_plan
+
+    ctx = multiprocessing.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+
+    def child():
+        try:
+            send.send(("ok", make_plan(config, plan_args)))
+        except BaseException as e:  # noqa: BLE001 - whatever it is goes back to the parent as one line
+            last = traceback.extract_tb(e.__traceback__)[-1:]
+            where = f" ({last[0].filename.rsplit('/', 1)[-1]}:{last[0].lineno})" if last else ""
+            send.send(("error", f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}{where}"))
+
+    process = ctx.Process(target=child, daemon=True)
+    process.start()
+    send.close()
+    try:
+        status, value = receive.recv()
+    except EOFError:
+        status, value = "error", "the tracing process died"
+    process.join()
+    if status == "error":
+        raise RuntimeError(value)
+    return value
+
+
 def search(config, plan_args, progress=None) -> SearchResult:
     """Enumerate, validate, prune and trace (module docstring); `progress(line)` hears each trace."""
     from ..memory_estimate import estimate_memory
     from ..validate import validate
-    from .cli import PlanArgs, make_plan
+    from .cli import PlanArgs
 
     world = plan_args.world_size
     if not world:
@@ -256,10 +297,10 @@ def search(config, plan_args, progress=None) -> SearchResult:
         counts["traced"] += 1
         args = PlanArgs(world_size=world, device=plan_args.device, device_memory_gib=plan_args.device_memory_gib)
         try:
-            report = make_plan(_with(base, c), args)
-        except Exception as e:  # noqa: BLE001 - a layout the tracer cannot follow is reported, not fatal
+            report = _trace_in_child(_with(base, c), args)
+        except RuntimeError as e:  # a layout the tracer cannot follow is reported, not fatal
             counts["trace_failed"] += 1
-            result.failed.append({"flags": c.flags(), "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"})
+            result.failed.append({"flags": c.flags(), "error": str(e)})
             continue
         row = {"flags": c.flags(), "comm_bytes_per_token": traced_comm_per_token(report, world),
                "analytic_estimate": c.estimate, "report": report}

@@ -1,0 +1,141 @@
+"""The README's table of the shipped configs planned by plait-plan on H100 80 GB at their own layouts.
+
+    python tools/plan_table.py                      plan each config (a subprocess each) and print the table
+    python tools/plan_table.py --readme README.md   and put it between the README's markers
+    python tools/plan_table.py --only llama3_8B     one config (printing only)
+
+Each config runs at the world size it is written for (the same counts as the memory-estimate
+test, packages/trainer/tests/test_trainer_memory_estimate.py), with its own degrees, micro-batch
+and AC mode; the tokenizer is the shipped one (the configs name files a clone does not have; only
+the vocabulary size matters to a plan). A config the planner cannot trace yet (pipeline parallel)
+gets a row saying so instead of failing the table. Nobody types these numbers.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+START, END = "<!-- plan-table:start -->", "<!-- plan-table:end -->"
+GIB = 2**30
+# config -> ranks it is written for
+CONFIGS = {
+    "llama3_8B": 8, "llama3_8B_64k_cp": 8, "llama3_70B": 64, "llama3_405B": 512,
+    "deepseek_v3_16B": 8, "deepseek_v3_236B": 256, "deepseek_v3_671B": 512,
+}
+KINDS = {"Parameter": "parameters", "Gradient": "gradients", "Optstate": "optimizer state", "Activation": "activations",
+         "Temp": "temporaries", "Buffer": "buffers", "Other": "other"}
+
+
+def plan(name: str, world: int) -> dict:
+    """plait-plan's JSON for one config, or {"error": first line} when it cannot be planned."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "plan.json"
+        start = time.monotonic()
+        result = subprocess.run(
+            [sys.executable, "-m", "plait.trainer.plan.cli", "--config", f"{name}.toml", "--plan.world_size",
+             str(world), "--plan.device", "h100", "--model.tokenizer_path", "", "--job.dump_folder", tmp,
+             "--plan.json", str(out)],
+            capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=1800,
+        )  # fmt: skip
+        seconds = time.monotonic() - start
+        if result.returncode or not out.exists():
+            lines = [x for x in result.stderr.strip().splitlines() if x.strip()]
+            errors = [x for x in lines if "error" in x.lower()] or lines or ["no output"]
+            return {"error": errors[-1].strip()[:300], "seconds": seconds}
+        report = json.loads(out.read_text())
+    report["seconds"] = seconds
+    return report
+
+
+def _layout(layout: dict) -> str:
+    names = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "etp")
+    return " x ".join(f"{k} {layout[k]}" for k in names if layout.get(k) not in (None, 1)) or "one rank"
+
+
+def _dominant(report: dict) -> str:
+    m = report["memory"]
+    parts = sorted(((v, k) for k, v in m["peak_parts"].items() if v), reverse=True)
+    total = sum(v for v, _ in parts) or 1
+    top = ", ".join(f"{KINDS.get(k, k)} {v / GIB:.1f} ({100 * v / total:.0f}%)" for v, k in parts[:2])
+    return f"{top}; in {m['peak_at']['module'] or 'the step'} ({m['peak_at']['phase']})"
+
+
+def _comm(report: dict) -> str:
+    comm = report["communication"]
+    if not comm:
+        return "none"
+    total = sum(c["bytes"] for c in comm)
+    biggest = max(comm, key=lambda c: c["bytes"])
+    return (f"{total / GIB:.1f} GiB ({biggest['axis']} {biggest['kind']} {biggest['bytes'] / GIB:.1f}); "
+            f"{report['communication_seconds'] * 1e3:.0f} ms")
+
+
+def render(rows: list[tuple[str, int, dict]], commit: str) -> str:
+    head = ["config", "ranks", "layout", "micro-batch x accumulation, AC", "peak / rank (GiB)",
+            "what dominates the peak (GiB at the peak)", "model state / rank (GiB)", "comm / step (largest); ideal comm time",
+            "fits H100 80 GB (67.1 GiB usable)"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, world, r in rows:
+        if "error" in r:
+            note = r["error"].removeprefix("plait-plan: error: ")
+            if "pipeline" in note or "parallelism.pp" in note:
+                note = f"pp: not traced yet ({note})"
+            lines.append(f"| {name} | {world} | | | | {note} | | | not planned |")
+            continue
+        m = r["memory"]
+        b, s = r["micro_batch"]
+        state = (m["parameters"] + m["gradients"] + m["optimizer"]) / GIB
+        lines.append(
+            f"| {name} | {world} | {_layout(r['layout'])} | {b} x {s} x {r['gradient_accumulation_steps']}, "
+            f"{r['activation_checkpoint']} | {m['peak'] / GIB:.1f} | {_dominant(r)} | {state:.1f} | {_comm(r)} | "
+            f"{'yes' if r['fits'] else '**no**'} |"
+        )
+    seconds = sum(r.get("seconds", 0) for _, _, r in rows)
+    lines += ["", (
+        f"Per rank, traced by `plait-plan` (rank 0 of the real step under a fake process group of the full world; "
+        "memory is what tensors hold: no CUDA context, allocator fragmentation or NCCL buffers, hence the 10% "
+        "headroom; dropless expert parallel at balanced routing; comm is each collective's buffer per step, its "
+        "time at NVLink 450 GB/s inside a node and 50 GB/s InfiniBand across). Generated by `tools/plan_table.py` "
+        f"at commit `{commit}` in {seconds:.0f} s on one CPU thread per config.")]
+    return "\n".join(lines)
+
+
+def write_readme(readme: Path, table: str) -> None:
+    text = readme.read_text()
+    if START not in text or END not in text:
+        raise SystemExit(f"{readme}: no {START} ... {END} markers to put the table between.")
+    before, rest = text.split(START, 1)
+    after = rest.split(END, 1)[1]
+    readme.write_text(f"{before}{START}\n{table}\n{END}{after}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--readme", type=Path, help="rewrite the table between this file's markers")
+    parser.add_argument("--only", nargs="*", help="plan these configs only (printing, not the README)")
+    args = parser.parse_args(argv)
+    names = args.only or list(CONFIGS)
+    rows = []
+    for name in names:
+        report = plan(name, CONFIGS[name])
+        print(f"{name} at {CONFIGS[name]} ranks: {report.get('error') or 'planned'} ({report['seconds']:.0f} s)",
+              file=sys.stderr, flush=True)
+        rows.append((name, CONFIGS[name], report))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    table = render(rows, commit)
+    print(table)
+    if args.readme and not args.only:
+        write_readme(args.readme, table)
+        print(f"table written to {args.readme}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
