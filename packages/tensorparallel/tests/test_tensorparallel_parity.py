@@ -257,7 +257,24 @@ def _run_layouts(rank, world_size, layouts):
             fully_shard(model, mesh=meshes.fsdp)
         losses = train(model, lp=uses_loss_parallel(PLAN, config, meshes.tp.size()), adamw=adamw)
         out[name] = (losses, full_params(model))
+    out["meta_build_norm_grads"] = _meta_build_norm_grads(world_size)
     return out
+
+
+def _meta_build_norm_grads(world_size: int) -> dict[str, str]:
+    """Sequence-parallel norms of a model built on the meta device, then `to_empty`: their weight
+    gradients are still reduced as computed (Replicate), not left Partial for every later op."""
+    meshes = build_meshes(ParallelDims(world_size=world_size, tp=world_size))
+    with torch.device("meta"):
+        model = TinyModel()
+    apply_tensor_parallel(model, meshes.tp, PLAN, TensorParallelConfig(sequence_parallel=True, loss_parallel=False))
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(0.01)
+    tokens = batches()[0][:, :-1]
+    model(tokens).sum().backward()
+    return {name: repr(p.grad.placements) for name, p in model.named_parameters() if name.endswith("norm.weight")}
 
 
 def test_tp_layouts_match_single_process():
@@ -267,6 +284,8 @@ def test_tp_layouts_match_single_process():
         losses = train(model, adamw=adamw)
         references[tie, adamw] = (losses, full_params(model))
     results = run_on_ranks(_run_layouts, 4, LAYOUTS, timeout=240)
+    norm_grads = results[0]["meta_build_norm_grads"]
+    assert len(norm_grads) == 6 and set(norm_grads.values()) == {"(Replicate(),)"}, norm_grads
     for name, *_, tie, adamw in LAYOUTS:
         ref_losses, ref_params = references[tie, adamw]
         assert all(math.isfinite(x) for x in ref_losses) and ref_losses[-1] < ref_losses[0]

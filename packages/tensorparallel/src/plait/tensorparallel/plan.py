@@ -29,6 +29,7 @@ from .styles import (
     ReplicateCompute,
     ReplicatedNorm,
     SequenceParallelNorm,
+    hook_replicate_grads,
 )
 
 # plan string -> one line of what it does (README and error messages quote these).
@@ -219,9 +220,26 @@ def apply_tensor_parallel(
     for _path, plan_string, module in resolved:
         parallelize_module(module, tp_mesh, build_style(plan_string, config))
     _retie(model, ties)
+    _keep_norm_grad_hooks(model)
     if config.async_tp:
         enable_async_tp(tp_mesh)
     return model
+
+
+def _keep_norm_grad_hooks(model: nn.Module) -> None:
+    """Sequence-parallel norms reduce their weight gradients through hooks on the Parameter
+    objects; a meta-device build's `to_empty` replaces those. The root's forward pre-hook hooks
+    whatever parameters the norms hold at each forward (a flag check once hooked; the root is not
+    compiled per block, so this stays out of compiled regions)."""
+    norms = [m for m in model.modules() if getattr(m, "_plait_replicates_grads", False)]
+    if not norms:
+        return
+
+    def hook_norms(root: nn.Module, args) -> None:
+        for norm in norms:
+            hook_replicate_grads(norm)
+
+    model.register_forward_pre_hook(hook_norms)
 
 
 def uses_loss_parallel(plan: dict[str, str], config: TensorParallelConfig, tp: int) -> bool:

@@ -198,10 +198,28 @@ class SequenceParallelNorm(SequenceParallel):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         module = super()._apply(module, device_mesh)
-        for param in module.parameters():
-            if param.requires_grad:
-                param.register_hook(_replicate_grad)
+        module._plait_replicates_grads = True  # apply_tensor_parallel re-hooks replaced parameters
+        hook_replicate_grads(module)
         return module
+
+
+def hook_replicate_grads(module: nn.Module) -> None:
+    """Reduce each of `module`'s parameters' Partial gradients to Replicate as computed, once per
+    Parameter object (`to_empty` and `load_state_dict(assign=True)` make new ones, without hooks)."""
+    for param in module.parameters():
+        if not param.requires_grad or getattr(param, "_plait_replicate_grad_hooked", False):
+            continue
+        hooks = param._backward_hooks
+        if hooks is not None and any(hook is _replicate_grad for hook in hooks.values()):
+            # `to_empty` swapped a new tensor into this Parameter (torch.utils.swap_tensors): the
+            # flag went with the old one's __dict__, and the hook dict stayed here but is no longer
+            # registered with autograd (no hook in it fires). Register its hooks afresh.
+            param._backward_hooks = None
+            for hook in hooks.values():
+                param.register_hook(hook)
+        else:
+            param.register_hook(_replicate_grad)
+        param._plait_replicate_grad_hooked = True
 
 
 def _replicate_grad(grad: torch.Tensor) -> torch.Tensor:
