@@ -13,10 +13,15 @@ def build_report(config, plan, traced, device: Device, device_memory_gib: float,
     """Everything plait-plan prints, as plain data (the JSON of --plan.json)."""
     t, dims = config.training, plan.dims
     accumulation = t.gradient_accumulation_steps
-    # A rank computes 1 / (tp x cp) of each of its sequences (the trainer's metrics count it so).
+    # A rank computes 1 / (tp x cp) of each of its sequences (the trainer's metrics count it so);
+    # under pp, its stages' share of the blocks.
     tokens_per_rank = t.local_batch_size * t.seq_len * accumulation / (dims.tp * dims.cp)
-    flops = plan.model.flops_per_token(t.seq_len) * tokens_per_rank
+    pipe = traced.pipeline or None
+    share = pipe["blocks"] / pipe["model_blocks"] if pipe else 1.0
+    flops = plan.model.flops_per_token(t.seq_len) * tokens_per_rank * share
     compute_s = flops / (device.bf16_tflops * 1e12)
+    # The pipeline's bubble: idle time of a stage, as a fraction of the step (pipeline.BUBBLE).
+    compute_s /= 1 - (pipe["bubble"] if pipe else 0.0)
     comm = []
     for key, row in traced.collectives.items():
         axis, kind = key.split("/")
@@ -39,6 +44,7 @@ def build_report(config, plan, traced, device: Device, device_memory_gib: float,
             "peak_at": {"module": traced.peak_module, "phase": traced.peak_phase}, "peak_parts": traced.peak_parts,
         },
         "analytic_estimate": analytic,
+        "pipeline": pipe,
         "fits": traced.peak <= limit,
         "device_memory_gib": device_memory_gib,
         "usable_gib": limit / GIB,
@@ -56,6 +62,9 @@ def build_report(config, plan, traced, device: Device, device_memory_gib: float,
             "temporaries); no CUDA context, allocator fragmentation or NCCL buffers",
             "dropless expert parallel: balanced routing (each MoE layer's rows split evenly over the ep ranks)",
             "training.compile is traced eagerly",
+            *(["pipeline: one micro-batch traced per stage, the step composed along torch's action order; "
+               f"FLOPs: this rank's {pipe['blocks']} of {pipe['model_blocks']} blocks; compute time includes the "
+               f"bubble {pipe['bubble_formula']}"] if pipe else []),
         ],
     }
 
@@ -92,11 +101,21 @@ def format_report(r: dict) -> str:
         f"with 10% headroom ({r['usable_gib']:.1f} GiB usable)",
         "  at the peak: " + ", ".join(f"{k.lower()} {v / GIB:.2f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])
                                       if v) + " GiB",
+    ]
+    pipe = r.get("pipeline")
+    if pipe:
+        lines.append(
+            f"  pipeline: {pipe['schedule']}, stages {pipe['stages']} of {pipe['num_stages']}, {pipe['microbatches']} "
+            f"micro-batches of {pipe['microbatch_rows']} rows, at most {pipe['max_in_flight']} in flight on this rank "
+            f"({pipe['in_flight_at_peak']} at the peak), receive buffers {pipe['recv_buffers'] / GIB:.2f} GiB, bubble "
+            f"{pipe['bubble']:.1%} ({pipe['bubble_formula']})")
+    lines += [
         "",
         "communication per step      count        GiB  link        ms",
     ]
     for c in r["communication"]:
-        lines.append(f"  {c['axis'] + ' ' + c['kind']:24s}{c['count']:7d} {_gib(c['bytes'])}  {c['link']:6s}"
+        kind = "send/recv" if c["kind"] == "send_recv" else c["kind"]
+        lines.append(f"  {c['axis'] + ' ' + kind:24s}{c['count']:7d} {_gib(c['bytes'])}  {c['link']:6s}"
                      f"{c['seconds'] * 1e3:8.2f}")
     if not r["communication"]:
         lines.append("  none (one rank)")

@@ -1,4 +1,5 @@
-"""One training step of one micro-batch for rank 0 of a layout, traced without real data.
+"""One training step of one micro-batch for rank 0 of a layout, traced without real data
+(pipeline parallel: one micro-batch per stage this rank holds, plan/pipeline.py).
 
 The trainer's own path runs: the meshes of the full world under a fake process group (torch's
 `FakeStore` + backend "fake": every collective returns at once and moves nothing), `parallelize`
@@ -75,6 +76,17 @@ class PeakTracker(MemTracker):
             return func(*args, **(kwargs or {}))
         return super().__torch_dispatch__(func, types, args, kwargs)
 
+    def _pre_fw_hook(self, module, inputs) -> None:
+        # A pipeline stage is a top-level module called once per micro-batch, which torch's tracker
+        # refuses ("multiple iterative calls"); its per-module stats start over instead (only the
+        # step's totals are read).
+        if not self._mod_tracker.is_bw and set(self._mod_tracker.parents) <= {"Global", self._mod_fqn(module)}:
+            self.memory_tracking.pop(module, None)
+        super()._pre_fw_hook(module, inputs)
+
+    def _mod_fqn(self, module) -> str | None:
+        return self._mod_tracker.get_known_fqn(module)
+
     def _update_peak_stats(self, peak_state) -> None:
         # The step's peak only: torch's version also updates every active module's own peak,
         # walking all tracked modules on every op (quadratic in depth: minutes at 61 layers).
@@ -105,6 +117,7 @@ class StepTrace:
     micro_batch_tokens: int = 0
     host_syncs: int = 0  # expert-parallel dispatch syncs of the step (the dispatchers' own count)
     host_reads: int = 0  # scalars a plan had to assume (balanced routing); 0 for a measured step
+    pipeline: dict = field(default_factory=dict)  # pp > 1: schedule, micro-batches in flight, p2p (plan/pipeline.py)
 
 
 def _local_bytes(tensors) -> int:
@@ -135,10 +148,11 @@ def trainer_for_step(config, plan, meshes, pm, optimizer, scheduler, device):
     trainer.config, trainer.plan, trainer.meshes, trainer.device = config, plan, meshes, device
     trainer.pm, trainer.model = pm, pm.model
     trainer.optimizer, trainer.scheduler = optimizer, scheduler
-    trainer.moe = MoEStep.for_model(pm.inner, plan.model_args, meshes, pm.dispatchers)
+    trainer.moe = MoEStep.for_model(pm.inner, plan.model_args, meshes, pm.dispatchers,
+                                    whole_model=plan.model if pm.stages else None)
     trainer.loss_context = trainer._loss_context_factory()
     trainer.loss_fn = cross_entropy_loss
-    trainer.pipeline = None  # plait-plan traces pp = 1 only (plan/cli.py refuses pp > 1)
+    trainer.pipeline = None  # pp > 1: plan/pipeline.py sets the trainer's pipeline
     return trainer
 
 
@@ -262,8 +276,13 @@ def trace_step(config, plan) -> StepTrace:
     device = torch.device("cpu")
     with fake_world(plan.dims.world_size):
         meshes = build_meshes(plan.dims, device.type)  # real mesh tensors, fake groups
-        batch = micro_batch(config)
         shims = FakeStepShims()
+        if plan.dims.pp > 1:
+            from .pipeline import trace_pipeline_step
+
+            with FakeTensorMode(allow_non_fake_inputs=True), shims:
+                return trace_pipeline_step(config, plan, meshes, device, shims)
+        batch = micro_batch(config)
         with FakeTensorMode(allow_non_fake_inputs=True), shims:
             # The trainer's own build, full or sharded init as the run would; parallelize warns
             # that sharded init on CPU draws equal numbers per shard: true, and irrelevant here.

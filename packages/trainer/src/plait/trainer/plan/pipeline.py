@@ -1,0 +1,415 @@
+"""The pipeline side of the plan: rank 0's stages, one micro-batch each, and torch's own order.
+
+torch's schedule cannot run under the fake process group (its shape inference sends Python
+objects point to point), and a step of m micro-batches would trace m times the work. So:
+
+- the stages are the trainer's (`parallelize` -> `parallelize_pipeline`) and the schedule is the
+  trainer's (`build_trainer_pipeline`: torch's PipelineStage and schedule objects, which only
+  compute their action lists when built);
+- each stage this rank holds runs one micro-batch (pipeline_microbatch_size rows) forward and
+  backward as torch's stage does: the first stage on tokens, the others on a received hidden
+  state shaped like stage 0's traced output; the last computes the loss, the others backpropagate
+  a ones-like output gradient through `backward_maybe_with_nosync` (FSDP's no-sync flags), then
+  `perform_reduce_grad` and the optimizer step once;
+- FSDP: `reshard_after_forward = never` under pp, and torch's runtime unshards each stage before
+  its first action (UNSHARD) and reduce-scatters once after the last (REDUCE_GRAD): the gathers are
+  traced once per UNSHARD of the lowered order, the micro-batch's own collectives (TP, CP, EP) are
+  repeated m times;
+- memory: rank 0's compute order from torch (`schedule.pipeline_order[0]`) is walked with each
+  stage's traced numbers: a forward adds the micro-batch's saved activations, a full backward (B)
+  or weight backward (W) releases them (an input backward, I, keeps them for W), so the activations
+  in flight are counted from the schedule, not from a formula;
+- point to point: SEND_F / RECV_F / SEND_B / RECV_B actions of the lowered order (single-stage
+  schedules: from the stage's position), each one boundary tensor (stage 0's output, local shape).
+"""
+
+import contextlib
+import dataclasses
+import io
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.distributed.tensor import DTensor
+
+from plait.models.documents import row_segments
+
+from ..validate import pipeline_microbatches
+
+# Bubble fraction of the ideal time (stated with the plan): p stages (pp), v stages per rank, m micro-batches.
+BUBBLE = {
+    "GPipe": ("(p-1)/(m+p-1)", lambda p, v, m: (p - 1) / (m + p - 1)),
+    "1F1B": ("(p-1)/(m+p-1)", lambda p, v, m: (p - 1) / (m + p - 1)),
+    "LoopedBFS": ("(p-1)/(m+p-1)", lambda p, v, m: (p - 1) / (m + p - 1)),
+    "Interleaved1F1B": ("(p-1)/(v*m+p-1)", lambda p, v, m: (p - 1) / (v * m + p - 1)),
+    # Zero-bubble schedules fill the bubble with weight gradients; the interleaved figure is their bound.
+    "InterleavedZeroBubble": ("<= (p-1)/(v*m+p-1)", lambda p, v, m: (p - 1) / (v * m + p - 1)),
+    "ZBVZeroBubble": ("<= (p-1)/(v*m+p-1)", lambda p, v, m: (p - 1) / (v * m + p - 1)),
+    "DualPipeV": ("<= (p-1)/(v*m+p-1)", lambda p, v, m: (p - 1) / (v * m + p - 1)),
+}
+
+
+class _SplitOutsideFakeMode:
+    """plait.pipelineparallel with `split_stages` run outside FakeTensorMode: it deep-copies the
+    meta model, whose copies must stay meta (a fake copy of a meta tensor cannot be made)."""
+
+    def __init__(self, module):
+        self._module = module
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+    def split_stages(self, *args, **kwargs):
+        with unset_fake_temporarily():
+            return self._module.split_stages(*args, **kwargs)
+
+
+def traceable_plan(plan):
+    """The run's plan, with each stage initialised on its own (`full_init` materialises the whole
+    model, then moves it back to meta: not possible for fake tensors; the weights' values do not
+    matter to a plan)."""
+    modules = {**plan.parallel_modules, "pp": _SplitOutsideFakeMode(plan.parallel_modules["pp"])}
+    return dataclasses.replace(plan, full_init=False, parallel_modules=modules)
+
+
+def _fsdp_modules(module):
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _nbytes(t) -> int:
+    t = _local(t)
+    return t.numel() * t.element_size()
+
+
+def _boundary(out) -> dict:
+    """What a stage sends: its output's local shape and dtype (and DTensor layout), no storage."""
+    local = _local(out)
+    spec = {"shape": tuple(local.shape), "dtype": local.dtype, "bytes": local.numel() * local.element_size()}
+    if isinstance(out, DTensor):
+        spec.update(mesh=out.device_mesh, placements=out.placements, global_shape=out.shape, stride=out.stride())
+    return spec
+
+
+def _received(spec: dict, device):
+    """The activation a stage receives (torch's recv buffer, made to require grad)."""
+    buffer = torch.zeros(spec["shape"], dtype=spec["dtype"], device=device)
+    if "mesh" in spec:
+        return DTensor.from_local(buffer, spec["mesh"], spec["placements"], shape=spec["global_shape"],
+                                  stride=spec["stride"], run_check=False).requires_grad_(True)
+    return buffer.requires_grad_(True)
+
+
+def p2p_actions(schedule, stages, rank: int = 0) -> dict:
+    """SEND_F / RECV_F / SEND_B / RECV_B of `rank` per step: torch's lowered order for runtime
+    schedules; for single-stage ones (GPipe, 1F1B) every F sends unless last and receives unless
+    first, every B the mirror."""
+    counts = {"SEND_F": 0, "RECV_F": 0, "SEND_B": 0, "RECV_B": 0}
+    lowered = getattr(schedule, "pipeline_order_with_comms", None)
+    if lowered:
+        for action in lowered[rank]:
+            name = action.computation_type.value if hasattr(action.computation_type, "value") else str(
+                action.computation_type)
+            if name in counts:
+                counts[name] += 1
+        return counts
+    stage = stages[0]
+    for action in schedule.pipeline_order[rank]:
+        kind = _kind(action)
+        if kind == "F":
+            counts["SEND_F"] += not stage.is_last
+            counts["RECV_F"] += not stage.is_first
+        elif kind in ("B", "I"):
+            counts["SEND_B"] += not stage.is_first
+            counts["RECV_B"] += not stage.is_last
+    return counts
+
+
+def unshard_counts(schedule, rank: int = 0) -> dict[int, int]:
+    """UNSHARD actions per stage in torch's lowered order (1 per stage unless a rank holds more
+    stages than torch keeps gathered); single-stage schedules gather once, in the first forward."""
+    lowered = getattr(schedule, "pipeline_order_with_comms", None)
+    counts: dict[int, int] = {}
+    if not lowered:
+        return counts
+    for action in lowered[rank]:
+        if _kind(action) == "UNSHARD":
+            counts[action.stage_index] = counts.get(action.stage_index, 0) + 1
+    return counts
+
+
+def _kind(action) -> str | None:
+    if action is None:
+        return None
+    ct = action.computation_type
+    return {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}.get(
+        getattr(ct, "name", ""), getattr(ct, "name", str(ct)))
+
+
+def _compute_actions(order):
+    """Rank's compute actions in order, overlapped F+B pairs unfolded."""
+    for action in order:
+        if action is None:
+            continue
+        if action.sub_actions:
+            yield from action.sub_actions
+        elif _kind(action) in ("F", "B", "I", "W"):
+            yield action
+
+
+@dataclasses.dataclass
+class StageMemory:
+    """One stage's micro-batch, in bytes relative to the memory before its forward."""
+
+    saved: int = 0  # held from the end of its forward to its backward (activations, the stage output)
+    forward_peak: int = 0
+    backward_peak: int = 0  # includes `saved` and the gradients it creates
+    grads: int = 0  # still held after its first backward (the accumulated, unreduced gradients)
+    later_forward_peak: int = 0  # the same once the stage holds gradients (these not included)
+    later_backward_peak: int = 0
+    forward_where: str = ""
+    backward_where: str = ""
+
+
+def walk_memory(order, stage_memory: dict[int, StageMemory]) -> dict:
+    """Walk `order` (torch's compute actions of one rank): the highest memory above the stages'
+    common base, where it is reached and the micro-batches in flight (forwarded, weights not yet
+    back-propagated) at most."""
+    held: dict[tuple[int, int], int] = {}
+    grads: dict[int, int] = {}
+    best = {"bytes": 0, "stage": None, "phase": "", "where": "", "grads": 0, "in_flight_at_peak": 0}
+    most = 0
+    for action in _compute_actions(order):
+        s, mb, kind = action.stage_index, action.microbatch_index, _kind(action)
+        mem = stage_memory[s]
+        others = sum(v for k, v in held.items() if k != (s, mb)) + sum(grads.values())
+        if kind == "F":
+            here = others + (mem.later_forward_peak if s in grads else mem.forward_peak)
+            phase, where = "forward", mem.forward_where
+            held[(s, mb)] = mem.saved
+            most = max(most, len(held))
+        elif kind in ("B", "I"):
+            here = others + (mem.later_backward_peak if s in grads else mem.backward_peak)
+            phase, where = "backward", mem.backward_where
+            if kind == "B":
+                held.pop((s, mb), None)
+                grads[s] = mem.grads
+        else:  # W: the saved inputs of the weight gradients go
+            held.pop((s, mb), None)
+            grads[s] = mem.grads
+            here, phase, where = sum(held.values()) + sum(grads.values()), "backward", mem.backward_where
+        if here > best["bytes"]:
+            best = {"bytes": here, "stage": s, "phase": phase, "where": where, "grads": sum(grads.values()),
+                    "in_flight_at_peak": len(held) if kind == "F" else len(held) + (kind == "B")}
+    best["max_in_flight"] = most
+    return best
+
+
+def trace_pipeline_step(config, plan, meshes, device, shims):
+    """Rank 0's pipeline step (see the module docstring), inside the caller's fake world and
+    FakeTensorMode (plan/trace.py). Returns a StepTrace with its `pipeline` facts."""
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY
+
+    from ..lr_scheduler import build_lr_scheduler
+    from ..optimizer import build_optimizer
+    from ..parallelize import parallelize
+    from ..pipeline import build_trainer_pipeline
+    from .collectives import CollectiveCounter, axis_names
+    from .trace import MICRO, STEP, PeakTracker, StepTrace, _local_bytes, _storage_total, micro_batch, trainer_for_step
+
+    t, p = config.training, config.parallelism
+    plan = traceable_plan(plan)
+    shims.initialising = True
+    with contextlib.redirect_stdout(io.StringIO()):
+        pm = parallelize(config, plan, meshes, device)
+    shims.initialising = False
+    for dispatcher in (pm.dispatchers or {}).values():
+        if hasattr(dispatcher, "ep"):
+            shims.balance(dispatcher)
+    optimizer = build_optimizer(pm.inner, config.optimizer, device)
+    scheduler = build_lr_scheduler(optimizer, t.steps, config.lr_scheduler)
+    trainer = trainer_for_step(config, plan, meshes, pm, optimizer, scheduler, device)
+    pipeline = build_trainer_pipeline(config, plan, meshes, pm, trainer.loss_fn, trainer.moe, device)
+    trainer.pipeline = pipeline
+    schedule, n_mb = pipeline.schedule, pipeline_microbatches(config)
+    stages = pipeline.stages
+
+    # The local batch (accumulation micro-batches merged, as the trainer does), then one micro-batch of it.
+    with unset_fake_temporarily():
+        tokens, labels, documents = micro_batch(dataclasses.replace(
+            config, training=dataclasses.replace(t, local_batch_size=t.local_batch_size * t.gradient_accumulation_steps)))
+    inputs_BS, labels_BS, positions, documents_BS = trainer._local_batch(tokens, labels, documents)
+    rows = p.pipeline_microbatch_size
+    kwargs = {}
+    if positions is not None:
+        kwargs["positions"] = (positions.unsqueeze(0).expand(inputs_BS.shape[0], -1) if positions.dim() == 1
+                               else positions)[:rows]
+    if documents_BS is not None:
+        kwargs["document_positions"] = documents_BS[:rows]
+        with unset_fake_temporarily():
+            row_segments(kwargs["document_positions"])
+
+    counter = CollectiveCounter(axis_names(meshes))
+    tracker = PeakTracker()
+    tracker.track_external(pm.inner, optimizer)
+    unshards = unshard_counts(schedule)
+    stage_memory: dict[int, StageMemory] = {}
+    boundary, logits_bytes, base = None, 0, 0
+    dispatchers = list((pm.dispatchers or {}).values())
+
+    def current() -> int:
+        return sum(snap[_TOTAL_KEY] for snap in tracker._curr_mem_snap.values())
+
+    def segment_peak(start: int) -> tuple[int, str]:
+        return max(tracker._peak_mem.values(), default=start) - start, tracker.peak_where[0]
+
+    autocast = pm.autocast or contextlib.nullcontext()
+
+    def host_syncs() -> int:
+        return sum(getattr(d, "host_syncs", 0) for d in dispatchers)
+
+    def run_micro_batch(stage, torch_stage) -> dict:
+        """One micro-batch forward and backward of `stage`, as torch's stage runs it; bytes
+        relative to the memory before its forward."""
+        nonlocal boundary, logits_bytes
+        if stage.is_first:
+            x, inputs = inputs_BS[:rows], ()
+        else:  # the receive buffer is torch's, allocated once (counted apart): not the micro-batch's
+            x = _received(boundary, device)
+            inputs = (x,)
+        before = current()
+        tracker._peak_mem = {}
+        with trainer.loss_context(), autocast:
+            out = stage.module(x, **kwargs)
+            target = pipeline.loss(out, labels_BS[:rows]) if stage.is_last else out
+        forward, forward_where = segment_peak(before)
+        saved = current() - before
+        if stage.is_first and not stage.is_last:
+            boundary = _boundary(out)
+        if stage.is_last:
+            logits_bytes = _nbytes(out)
+        tracker._peak_mem = {}
+        grads = None if stage.is_last else torch.ones_like(out)
+        with trainer.loss_context():
+            torch_stage.backward_maybe_with_nosync(
+                "full", {"stage_output": target, "output_grads": grads, "input_values": list(inputs)})
+        backward, backward_where = segment_peak(before)
+        del inputs, out, target, grads
+        if not stage.is_first:
+            x.grad = None  # sent to the previous stage and dropped
+        return {"saved": saved, "forward": forward, "backward": backward, "grown": current() - before,
+                "forward_where": forward_where, "backward_where": backward_where}
+
+    with tracker, counter:
+        counter.phase = STEP
+        pipeline.loss.scale = trainer._loss_scale([labels_BS])
+        sharded = current()
+        for stage in stages:  # torch's UNSHARD (runtime schedules) or the first forward's gather
+            counter.phase = f"unshard:{stage.index}"
+            for module in _fsdp_modules(stage.module):
+                module.unshard()
+        counter.phase = MICRO
+        base = current()
+        gathered = base - sharded  # every unit of this rank's stages, gathered for the whole step
+        base_parts = _storage_total(tracker.get_tracker_snapshot("current"))
+        syncs = reads = 0
+        for stage, torch_stage in zip(stages, pipeline.pipeline_stages):
+            # Twice: the first backward creates the stage's gradients, a later one adds to them (the
+            # second micro-batch's collectives are not counted: every micro-batch repeats the first's).
+            counter.phase, syncs_at, reads_at = MICRO, host_syncs(), shims.reads
+            first = run_micro_batch(stage, torch_stage)
+            syncs, reads = syncs + host_syncs() - syncs_at, reads + shims.reads - reads_at
+            counter.phase = "again"
+            later = run_micro_batch(stage, torch_stage)
+            stage_memory[stage.index] = StageMemory(first["saved"], first["forward"], first["backward"],
+                                                    first["grown"], later["forward"], later["backward"],
+                                                    first["forward_where"], later["backward_where"])
+        counter.phase = STEP
+        tracker._peak_mem = {}
+        for torch_stage in pipeline.pipeline_stages:
+            torch_stage.perform_reduce_grad(1)  # scale_grads = False: the loss carries the scale
+        for stage in stages:
+            for module in _fsdp_modules(stage.module):
+                module.reshard()
+        step_loss = torch.zeros((), device=device)
+        dist.all_reduce(step_loss, group=meshes.pp.get_group())
+        grads_bytes = _local_bytes(q.grad for q in pm.inner.parameters())
+        trainer._update()
+        tail_peak = max(tracker._peak_mem.values(), default=0)
+        tail_where = tracker.peak_where
+
+    optimizer_bytes = _local_bytes(v for s in optimizer.state.values() for v in s.values()
+                                   if isinstance(v, torch.Tensor) and v.dim() > 0)
+    walk = walk_memory(schedule.pipeline_order[0], stage_memory)
+    # From the second step on the optimizer state is held through the micro-batches too.
+    pipelined_peak = base + optimizer_bytes + walk["bytes"]
+    p2p = p2p_actions(schedule, stages)
+    boundary_bytes = boundary["bytes"] if boundary is not None else 0
+    # torch's stage keeps one receive buffer per micro-batch: activations into a non-first stage,
+    # gradients into a non-last one (allocated at the first step, kept).
+    buffers = n_mb * boundary_bytes * sum((not s.is_first) + (not s.is_last) for s in stages)
+    if pipelined_peak >= tail_peak:
+        peak, where, phase = pipelined_peak, walk["where"] or f"stage {walk['stage']}", walk["phase"]
+        parts = {k: v for k, v in base_parts.items() if k != "Total"}
+        # The gathered units are counted as parameters (the tracker files FSDP's all-gather output
+        # under whatever phase made it); held gradients and activations in flight from the walk.
+        parts["Activation"] = parts.get("Activation", 0) - gathered + walk["bytes"] - walk["grads"]
+        parts["Parameter"] = parts.get("Parameter", 0) + gathered
+        parts["Gradient"] = parts.get("Gradient", 0) + walk["grads"]
+        parts["Optstate"] = parts.get("Optstate", 0) + optimizer_bytes
+    else:
+        peak, (where, phase) = tail_peak, tail_where
+        parts = {k: v for k, v in _storage_total(tracker.get_tracker_snapshot("peak")).items() if k != "Total"}
+    parts["Pipeline buffers"] = buffers
+    repeat = {MICRO: n_mb, **{f"unshard:{s.index}": unshards.get(s.index, 1) for s in stages}}
+    collectives = {f"{axis}/{kind}": row for (axis, kind), row in counter.totals(repeat).items()}
+    n_p2p = sum(p2p.values())
+    if n_p2p:
+        ranks = dist.get_process_group_ranks(meshes.pp.get_group())
+        collectives["pp/send_recv"] = {"bytes": n_p2p * boundary_bytes, "count": n_p2p, "ranks": 2,
+                                       "span": ranks[1] - ranks[0] + 1}
+    saved_peak = sum(m.saved for m in stage_memory.values())
+    pp, v = meshes.dims.pp, len(stages)
+    formula, bubble = BUBBLE[type(schedule).__name__.removeprefix("Schedule")]
+    return StepTrace(
+        params=_local_bytes(pm.inner.parameters()),
+        grads=grads_bytes,
+        optimizer=optimizer_bytes,
+        activations=walk["max_in_flight"] * max(m.saved for m in stage_memory.values()) if stage_memory else 0,
+        logits=logits_bytes,
+        peak=peak + buffers,
+        peak_module=where,
+        peak_phase=phase,
+        peak_parts=parts,
+        collectives=dict(sorted(collectives.items())),
+        micro_batch_tokens=rows * t.seq_len,
+        host_syncs=syncs * n_mb,
+        host_reads=reads * n_mb,
+        pipeline={
+            "schedule": type(schedule).__name__.removeprefix("Schedule"),
+            "stages": [s.index for s in stages],
+            "num_stages": stages[0].num_stages,
+            "blocks": sum(len(s.blocks) for s in stages),  # of the model's (FLOPs share)
+            "model_blocks": len(plan.info["blocks"]),
+            "gathered": gathered,
+            "microbatches": n_mb,
+            "microbatch_rows": rows,
+            "max_in_flight": walk["max_in_flight"],
+            "in_flight_at_peak": walk["in_flight_at_peak"],
+            "saved_per_microbatch": {s: m.saved for s, m in stage_memory.items()},
+            "saved_all_stages_one_microbatch": saved_peak,
+            "boundary": {"shape": list(boundary["shape"]), "dtype": str(boundary["dtype"]).removeprefix("torch."),
+                         "bytes": boundary_bytes} if boundary is not None else None,
+            "p2p": p2p,
+            "recv_buffers": buffers,
+            "stage_peak": pipelined_peak,
+            "optimizer_step_peak": tail_peak,
+            "bubble": bubble(pp, v, n_mb),
+            "bubble_formula": formula,
+        },
+    )
