@@ -32,24 +32,37 @@ KINDS = {"Parameter": "parameters", "Gradient": "gradients", "Optstate": "optimi
          "Temp": "temporaries", "Buffer": "buffers", "Other": "other"}
 
 
+def _cpu_flags(name: str) -> tuple[list[str], list[str]]:
+    """Flags that let a CPU plan a GPU-only setting, and the notes saying so: async TP (symmetric
+    memory, GPU-only, refused on CPU by validation) is planned as the same TP without it."""
+    from plait.trainer.config import load_toml
+
+    flags, notes = [], []
+    if load_toml(f"{name}.toml").get("parallelism", {}).get("async_tp"):
+        flags += ["--parallelism.async_tp", "false"]
+        notes.append("async TP planned as TP")
+    return flags, notes
+
+
 def plan(name: str, world: int) -> dict:
     """plait-plan's JSON for one config, or {"error": first line} when it cannot be planned."""
+    flags, notes = _cpu_flags(name)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "plan.json"
         start = time.monotonic()
         result = subprocess.run(
             [sys.executable, "-m", "plait.trainer.plan.cli", "--config", f"{name}.toml", "--plan.world_size",
              str(world), "--plan.device", "h100", "--model.tokenizer_path", "", "--job.dump_folder", tmp,
-             "--plan.json", str(out)],
+             "--plan.json", str(out), *flags],
             capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=1800,
         )  # fmt: skip
         seconds = time.monotonic() - start
         if result.returncode or not out.exists():
             lines = [x for x in result.stderr.strip().splitlines() if x.strip()]
             errors = [x for x in lines if "error" in x.lower()] or lines or ["no output"]
-            return {"error": errors[-1].strip()[:300], "seconds": seconds}
+            return {"error": errors[-1].strip()[:300], "seconds": seconds, "notes": notes}
         report = json.loads(out.read_text())
-    report["seconds"] = seconds
+    report["seconds"], report["notes"] = seconds, notes
     return report
 
 
@@ -92,7 +105,7 @@ def render(rows: list[tuple[str, int, dict]], commit: str) -> str:
         b, s = r["micro_batch"]
         state = (m["parameters"] + m["gradients"] + m["optimizer"]) / GIB
         lines.append(
-            f"| {name} | {world} | {_layout(r['layout'])} | {b} x {s} x {r['gradient_accumulation_steps']}, "
+            f"| {name} | {world} | {_layout(r['layout'])}{''.join(f' ({n})' for n in r['notes'])} | {b} x {s} x {r['gradient_accumulation_steps']}, "
             f"{r['activation_checkpoint']} | {m['peak'] / GIB:.1f} | {_dominant(r)} | {state:.1f} | {_comm(r)} | "
             f"{'yes' if r['fits'] else '**no**'} |"
         )
