@@ -11,12 +11,15 @@ share) through every method, output and q/k/v gradients equal to each document a
 causal F.scaled_dot_product_attention (fp32, GQA with H != G, MLA-like Dv < Dqk).
 Both run again at load_balance rounds = 2 (2 x cp x 2 chunks, head-tail per round), every method
 and head shape, through a layout from `apply_context_parallel` with `load_balance_rounds=2`.
+The 2-rank spawn also runs a user's attention layer that calls F.scaled_dot_product_attention
+through `ContextParallelSDPA` (patched, passed, transformers' signature; `cp_byom.py`).
 """
 
 import itertools
 
 import pytest
 import torch
+from cp_byom import MODES, byom_errors
 from cp_reference import document_reference_with_grads, packed_rows, random_qkv, reference_with_grads
 
 from plait.contextparallel import (
@@ -52,7 +55,9 @@ def _rounds_layout(cp_mesh, method, rounds):
     model.attention = torch.nn.Module()
     model.attention.sdpa = torch.nn.Module()
     model.attention.sdpa.scale = 0.2
-    layout = apply_context_parallel(model, cp_mesh, ["attention.sdpa"], ContextParallelConfig(method, load_balance_rounds=rounds))
+    layout = apply_context_parallel(
+        model, cp_mesh, ["attention.sdpa"], ContextParallelConfig(method, load_balance_rounds=rounds)
+    )
     assert layout == SequenceLayout(cp_mesh.size(), True, rounds) and model.attention.sdpa.layout is layout
     return layout, model.attention.sdpa
 
@@ -83,6 +88,8 @@ def _errors(rank, world_size):
         errors[(method, load_balance, shape, str(dtype), documents, rounds)] = [
             (g.double() - shard_sequence(r, 2, rank, layout)).abs().max().item() for g, r in zip(got, ref)
         ]
+    if world_size == 2:
+        errors.update(byom_errors(rank, meshes.cp))
     return errors
 
 
@@ -90,8 +97,9 @@ def _errors(rank, world_size):
 def test_context_parallel_attention_matches_full_attention(world_size):
     results = run_on_ranks(_errors, world_size, timeout=180)
     for errors in results:
-        assert sum(case[4] for case in errors) == 15  # the document cases ran
-        assert sum(case[5] == 2 for case in errors) == 12  # and the two-round ones
+        assert sum(case[4] for case in errors if case[0] != "byom") == 15  # the document cases ran
+        assert sum(case[5] == 2 for case in errors if case[0] != "byom") == 12  # and the two-round ones
+        assert sum(case[0] == "byom" for case in errors) == (3 * len(MODES) if world_size == 2 else 0)
         for case, errs in errors.items():
-            tol = 1e-5 if case[3] == "torch.float32" else 5e-2
+            tol = 5e-2 if "torch.bfloat16" in case else 1e-5
             assert max(errs) < tol, (case, errs)

@@ -5,6 +5,10 @@
     logits = model(tokens, positions)   # document masking: the attention modules also take the
                                         # FULL rows' document_positions [B, S] (same on every cp rank)
 
+    # A model without sdpa submodules (F.scaled_dot_product_attention, transformers):
+    cp_sdpa = ContextParallelSDPA(meshes.cp, ContextParallelConfig("ring"))   # SDPA's signature
+    with cp_sdpa.patch(): ...   # or AttentionInterface.register("plait_cp", cp_sdpa.transformers_attention)
+
 See the README and docs/contracts.md (the attention contract it relies on).
 """
 
@@ -13,6 +17,7 @@ from .config import ATTENTION_MASKS, METHODS, ContextParallelConfig, validate_co
 from .documents import DocumentSegments, document_segments, plan_document_blocks
 from .kernels import attention_backward, attention_forward
 from .layout import SequenceLayout, plan_blocks, shard_batch, shard_sequence, unshard_sequence
+from .sdpa import ContextParallelSDPA
 from .work import PerDocumentHeadTail, attention_work, imbalance
 
 __version__ = "0.2.0"
@@ -22,6 +27,7 @@ __all__ = [
     "METHODS",
     "ContextParallelAttention",
     "ContextParallelConfig",
+    "ContextParallelSDPA",
     "DocumentSegments",
     "PerDocumentHeadTail",
     "SequenceLayout",
