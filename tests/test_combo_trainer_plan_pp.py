@@ -125,6 +125,12 @@ def test_in_flight_is_counted_from_torchs_order(planned):
     assert planned["interleaved"]["pipeline"]["stages"] == [0, 2]
     assert planned["zbv"]["pipeline"]["stages"] == [0, 3]
     assert planned["interleaved"]["pipeline"]["max_in_flight"] > 2
+    # The trainer's analytic estimate states the same counts as formulas.
+    from plait.trainer.memory_estimate import pp_in_flight
+
+    for case, schedule in (("1f1b", "1F1B"), ("interleaved", "Interleaved1F1B"), ("zbv", "ZBVZeroBubble")):
+        pipe = planned[case]["pipeline"]
+        assert pp_in_flight(schedule, 2, len(pipe["stages"]), pipe["microbatches"]) == pipe["max_in_flight"], case
 
 
 def test_llama3_405B_plans_with_pp_8_at_512_ranks(tmp_path):

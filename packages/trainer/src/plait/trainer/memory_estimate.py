@@ -16,6 +16,12 @@ Analytic and approximate (no planner exists yet): it reads the meta model's para
 - the loss: logits [tokens, vocab] in the compute dtype plus their fp32 log-softmax (vocab split
   by tp under loss_parallel), what usually overflows for a big vocabulary.
 
+Under pipeline parallel (pp > 1) it counts, for the most loaded pp rank, the blocks and edge units
+of that rank's stages only; FSDP gathers those stages whole for the step (reshard_after_forward =
+never) and accumulates their unsharded gradients in fp32 until the step's one reduce-scatter; the
+activations are those of one micro-batch (pipeline_microbatch_size rows) times the micro-batches
+the schedule keeps in flight on that rank (`pp_in_flight`, counted from torch's action orders).
+
 It ignores, so it errs low (it may pass a run that then fails, never refuses one that fits): the
 CUDA context and allocator fragmentation, norm and RoPE temporaries, attention workspaces, the
 unsharded gradients of a unit in backward, MoE dispatch buffers, the gradient of the logits, and
@@ -66,12 +72,15 @@ def _expert_owner(name: str, experts: list) -> bool:
     return any(name == e or name.startswith(e + ".") for e in experts)
 
 
-def _param_elements(model: nn.Module, info: dict, dims: ParallelDims) -> tuple[float, dict]:
-    """Elements this rank holds (sharded), and each parameter's TP-split elements (unsharded over FSDP)."""
+def _param_elements(model: nn.Module, info: dict, dims: ParallelDims, held_paths=None) -> tuple[float, dict]:
+    """Elements this rank holds (sharded), and each parameter's TP-split elements (unsharded over
+    FSDP); under pp only the parameters under `held_paths` (this rank's blocks and edge units)."""
     experts, tp_plan = info.get("experts", []), info.get("tp_plan", {})
     held, tp_split = 0.0, {}
     for name, p in model.named_parameters():
         module = name.rsplit(".", 1)[0]
+        if held_paths is not None and not any(name.startswith(path + ".") for path in held_paths):
+            continue
         if _expert_owner(module, experts):
             # ep x etp x efsdp == dp_shard x cp x tp whether or not ep > 1 (ep = 1: tp, then FSDP);
             # FSDP gathers them over efsdp only, so the unsharded unit holds 1 / (ep x etp) of them.
@@ -141,20 +150,59 @@ def _block_dim(model: nn.Module, block: nn.Module) -> int:
     return next(m.in_features for m in block.modules() if isinstance(m, nn.Linear))
 
 
+def pp_in_flight(schedule: str, pp: int, virtual: int, microbatches: int, pp_rank: int = 0) -> int:
+    """Micro-batches whose activations pp rank `pp_rank` holds at once (forwarded, weight gradients
+    not yet computed), as counted from torch 2.13's action orders at pp 2 / 4 (plan/pipeline.py
+    counts them from the order of the run itself)."""
+    p, v, m, r = pp, virtual, microbatches, pp_rank
+    n = {"gpipe": m * v, "loopedbfs": m * v, "1f1b": p - r, "interleaved1f1b": (v - 1) * p + 2 * (p - 1 - r) + 1,
+         "interleavedzerobubble": v * p, "zbvzerobubble": v * p, "dualpipev": v * p + 1}.get(schedule.lower(), m * v)
+    return max(1, min(n, m * v))
+
+
 def estimate_memory(config, dims: ParallelDims, model: nn.Module, info: dict) -> MemoryEstimate:
-    """Per-rank peak bytes of a training step (see the module docstring for what is counted)."""
+    """Per-rank peak bytes of a training step (see the module docstring for what is counted);
+    under pp the most loaded pp rank's."""
+    if dims.pp == 1:
+        return _estimate(config, dims, model, info)
+    # plait.pipelineparallel's split (split.py), restated: the trainer's own session runs without it.
+    p, t = config.parallelism, config.training
+    blocks, edges = list(info["blocks"]), [list(group) for group in info.get("edge_units", [])]
+    v, stages = p.pipeline_virtual_stages, dims.pp * p.pipeline_virtual_stages
+    counts = list(p.layers_per_stage) or [len(blocks) // stages] * stages
+    starts = [sum(counts[:s]) for s in range(stages)]
+    microbatches = t.local_batch_size * t.gradient_accumulation_steps // p.pipeline_microbatch_size
+    estimates = []
+    for rank in range(dims.pp):
+        if p.pipeline_schedule.lower() in ("zbvzerobubble", "dualpipev"):
+            held = [rank, 2 * dims.pp - 1 - rank]
+        else:
+            held = [rank + k * dims.pp for k in range(v)]
+        paths = [b for s in held for b in blocks[starts[s]:starts[s] + counts[s]]]
+        paths += (edges[0] if 0 in held and edges else []) + (edges[-1] if stages - 1 in held and edges else [])
+        in_flight = pp_in_flight(p.pipeline_schedule, dims.pp, len(held), microbatches, rank)
+        estimates.append(_estimate(config, dims, model, info, paths, in_flight / len(held), stages - 1 in held))
+    return max(estimates, key=lambda e: e.total)
+
+
+def _estimate(config, dims: ParallelDims, model: nn.Module, info: dict, held_paths=None, in_flight: float = 1.0,
+              has_head: bool = True) -> MemoryEstimate:
     t = config.training
     act_bytes = 2 if t.dtype == "bfloat16" else 4
-    held, tp_split = _param_elements(model, info, dims)
+    held, tp_split = _param_elements(model, info, dims, held_paths)
     states = held * STATE_BYTES
-    gathered = _largest_units(model, info, tp_split) * act_bytes if dims.fsdp_enabled else 0.0
-
-    tokens = t.local_batch_size * t.seq_len / dims.cp
+    if held_paths is None:
+        gathered = _largest_units(model, info, tp_split) * act_bytes if dims.fsdp_enabled else 0.0
+        tokens = t.local_batch_size * t.seq_len / dims.cp
+    else:  # pp: the stages gathered whole, their gradients accumulated unsharded in fp32
+        gathered = sum(tp_split.values()) * (act_bytes + 4) if dims.fsdp_enabled else 0.0
+        tokens = config.parallelism.pipeline_microbatch_size * t.seq_len / dims.cp
     sp = dims.tp if dims.tp > 1 and config.parallelism.sequence_parallel else 1
-    blocks = info.get("blocks", [])
     tp_plan, experts = info.get("tp_plan", {}), info.get("experts", [])
     per_block = []
-    for i, name in enumerate(blocks):
+    for i, name in enumerate(info.get("blocks", [])):
+        if held_paths is not None and name not in held_paths:
+            continue
         block = model.get_submodule(name)
         saved, outputs = _block_elements_per_token(block, dims, tp_plan, name,
                                                    config.parallelism.sequence_parallel, experts)
@@ -169,12 +217,13 @@ def estimate_memory(config, dims: ParallelDims, model: nn.Module, info: dict) ->
     kept = sum(k for k, _ in per_block)
     # Full AC: one block's activations are rebuilt at a time in backward, on top of what is kept.
     recompute = max((r - k for k, r in per_block), default=0.0)
-    activations = tokens * (kept + recompute) * act_bytes
+    activations = tokens * (kept * in_flight + recompute) * act_bytes
 
     vocab = getattr(getattr(model, "output", None), "out_features", None) or _vocab(model)
     if dims.tp > 1 and config.parallelism.loss_parallel:
         vocab /= dims.tp
-    logits = tokens * vocab * (act_bytes + 4)
+    # Under pp: the last stage's one micro-batch (its loss follows its forward), on its rank only.
+    logits = tokens * vocab * (act_bytes + 4) if has_head else 0
     return MemoryEstimate(int(states), int(gathered), int(activations), int(logits))
 
 
