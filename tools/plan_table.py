@@ -76,7 +76,9 @@ def _dominant(report: dict) -> str:
     parts = sorted(((v, k) for k, v in m["peak_parts"].items() if v), reverse=True)
     total = sum(v for v, _ in parts) or 1
     top = ", ".join(f"{KINDS.get(k, k)} {v / GIB:.1f} ({100 * v / total:.0f}%)" for v, k in parts[:2])
-    return f"{top}; in {m['peak_at']['module'] or 'the step'} ({m['peak_at']['phase']})"
+    module = m["peak_at"]["module"] or "the step"
+    where = module.strip("()") if module.startswith("(") else f"in {module}"
+    return f"{top}; {where} ({m['peak_at']['phase']})"
 
 
 def _comm(report: dict) -> str:
@@ -97,7 +99,7 @@ def render(rows: list[tuple[str, int, dict]], commit: str) -> str:
     for name, world, r in rows:
         if "error" in r:
             note = r["error"].removeprefix("plait-plan: error: ")
-            if "pipeline" in note or "parallelism.pp" in note:
+            if "pipeline stages" in note:
                 note = f"pp: not traced yet ({note})"
             lines.append(f"| {name} | {world} | | | | {note} | | | not planned |")
             continue

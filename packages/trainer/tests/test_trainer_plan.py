@@ -66,12 +66,13 @@ def test_table_json_and_fit(tmp_path, capsys):
 
 
 def _search(tmp_path, monkeypatch, extra=()):
-    """--plan.search over data-parallel layouts only (this session has no tp / cp packages; the
+    """--plan.search over data-parallel layouts only (this session has no tp / cp / pp packages; the
     search would count those as invalid anyway) of the debug model at 2 ranks."""
     from plait.trainer.plan import search as plan_search
 
     monkeypatch.setattr(plan_search, "MAX_TP", 1)
     monkeypatch.setattr(plan_search, "MAX_CP", 1)
+    monkeypatch.setattr(plan_search, "MAX_PP", 1)
     out = tmp_path / "search.json"
     base = ["--job.dump_folder", str(tmp_path), "--model.n_layers", "1", "--training.local_batch_size", "2",
             "--training.seq_len", "32"]
@@ -94,7 +95,7 @@ def test_search_lists_valid_fitting_layouts_by_comm_per_token_as_plait_train_fla
     assert counts["variants_of_fitting"] == 10 and not result["pp_searched"]
     per_token = [row["comm_bytes_per_token"] for row in fits]
     assert per_token == sorted(per_token) and per_token[0] > 0
-    assert "--parallelism.dp_shard 2" in table and "pp not searched" in table
+    assert "--parallelism.dp_shard 2" in table and "searched: pp <= 1" in table
     for row in fits:
         assert row["report"]["fits"]
         assert row["comm_bytes_per_token"] == traced_comm_per_token(row["report"], 2)

@@ -4,13 +4,14 @@
 
 For the config's model, sequence length and global batch it enumerates candidates:
 
-- degrees, powers of two with product world_size: dp_replicate, dp_shard, tp <= 8 (inside a node),
-  cp <= 8, and for MoE models ep dividing the routed experts with etp 1 or tp; pp is not searched
-  (plait-plan does not trace pipeline stages yet);
+- degrees, powers of two with product world_size: pp <= 8 (the config's schedule and virtual
+  stages, one sequence per pipeline micro-batch), dp_replicate, dp_shard, tp <= 8 (inside a node),
+  cp <= 8, and for MoE models ep dividing the routed experts with etp 1 or tp;
 - activation checkpointing none / selective / full;
 - the micro-batch: local_batch_size x gradient_accumulation_steps = the config's sequences per
   data-parallel rank at this world size, so the global batch stays the config's (where the data
-  parallel degree is larger than the global batch, one sequence per rank: the output says so).
+  parallel degree is larger than the global batch, one sequence per rank: the output says so);
+  under pp the whole local batch is one pipeline step (accumulation 1).
 
 Each goes through plait-train's `validate` (invalid ones are counted, not shown); the analytic
 estimate of `memory_estimate.py` drops those over twice the usable memory; the rest are traced
@@ -37,12 +38,14 @@ from .report import HEADROOM
 AC_MODES = ("none", "selective", "full")  # lighter memory last
 MAX_TP = 8  # tensor parallel stays inside an 8-GPU node (its collectives are per block)
 MAX_CP = 8
+MAX_PP = 8
 DEFAULT_LIMIT = 12
 PRUNE_FACTOR = 2.0  # analytic estimate over this x usable memory: not traced
 
 
 @dataclass
 class Candidate:
+    pp: int
     dp_replicate: int
     dp_shard: int
     tp: int
@@ -57,16 +60,18 @@ class Candidate:
 
     @property
     def degrees(self) -> tuple:
-        return (self.dp_replicate, self.dp_shard, self.tp, self.cp, self.ep, self.etp)
+        return (self.pp, self.dp_replicate, self.dp_shard, self.tp, self.cp, self.ep, self.etp)
 
     def overrides(self) -> list[tuple[str, str]]:
         """The `--section.key value` pairs of this layout, as plait-train's parser yields them."""
         keys = [("parallelism.dp_replicate", self.dp_replicate), ("parallelism.dp_shard", self.dp_shard),
                 ("parallelism.tp", self.tp), ("parallelism.cp", self.cp), ("parallelism.ep", self.ep),
-                ("parallelism.etp", self.etp), ("parallelism.pp", 1),
+                ("parallelism.etp", self.etp), ("parallelism.pp", self.pp),
                 ("training.local_batch_size", self.local_batch_size),
                 ("training.gradient_accumulation_steps", self.accumulation),
                 ("training.activation_checkpoint", self.ac)]
+        if self.pp > 1:
+            keys.append(("parallelism.pipeline_microbatch_size", 1))
         return [(k, str(v)) for k, v in keys]
 
     def flags(self) -> list[str]:
@@ -75,7 +80,7 @@ class Candidate:
     def heavier_or_equal(self, other: "Candidate") -> bool:
         """Needs at least `other`'s memory: the same tp, cp, ep and etp, FSDP over as few ranks
         (replicas hold as much as one shard group), a micro-batch as large, AC as light."""
-        return ((self.tp, self.cp, self.ep, self.etp) == (other.tp, other.cp, other.ep, other.etp)
+        return ((self.pp, self.tp, self.cp, self.ep, self.etp) == (other.pp, other.tp, other.cp, other.ep, other.etp)
                 and self.dp_shard <= other.dp_shard and self.local_batch_size >= other.local_batch_size
                 and AC_MODES.index(self.ac) <= AC_MODES.index(other.ac))
 
@@ -101,17 +106,18 @@ def _routed_experts(model, info) -> int:
 
 
 def degree_layouts(world_size: int, n_experts: int):
-    """(dp_replicate, dp_shard, tp, cp, ep, etp) with powers of two whose dense product is world_size."""
+    """(pp, dp_replicate, dp_shard, tp, cp, ep, etp), powers of two whose dense product is world_size."""
     if world_size & (world_size - 1):
         raise ConfigError(f"--plan.world_size = {world_size}: --plan.search lays out powers of two; use one.")
-    for tp in _powers_of_two(min(MAX_TP, world_size)):
-        for cp in _powers_of_two(min(MAX_CP, world_size // tp)):
-            for dp_replicate in _powers_of_two(world_size // (tp * cp)):
-                dp_shard = world_size // (tp * cp * dp_replicate)
-                eps = [e for e in _powers_of_two(world_size) if n_experts and n_experts % e == 0] or [1]
-                for ep in eps:
-                    for etp in sorted({1, tp}) if ep > 1 else [1]:
-                        yield dp_replicate, dp_shard, tp, cp, ep, etp
+    for pp in _powers_of_two(min(MAX_PP, world_size)):
+        for tp in _powers_of_two(min(MAX_TP, world_size // pp)):
+            for cp in _powers_of_two(min(MAX_CP, world_size // (pp * tp))):
+                for dp_replicate in _powers_of_two(world_size // (pp * tp * cp)):
+                    dp_shard = world_size // (pp * tp * cp * dp_replicate)
+                    eps = [e for e in _powers_of_two(world_size) if n_experts and n_experts % e == 0] or [1]
+                    for ep in eps:
+                        for etp in sorted({1, tp}) if ep > 1 else [1]:
+                            yield pp, dp_replicate, dp_shard, tp, cp, ep, etp
 
 
 def global_sequences(config, world_size: int) -> int:
@@ -155,21 +161,25 @@ def _comm_guess(c: Candidate, shape: dict, seq_len: int, act_bytes: int, world_s
     reduce-scatter per micro-batch, replicate's fp32 all-reduce per micro-batch (the trainer
     reduces every micro-batch's gradients), TP's four collectives per block
     each way (six forward with full AC's recompute), CP's K/V gather and gradient scatter, EP's four
-    all-to-alls per MoE layer. Orders the traces only."""
+    all-to-alls per MoE layer; under pp a rank holds 1 / pp of the model, FSDP gathers once per step
+    and a micro-batch's hidden state crosses each stage boundary both ways. Orders the traces only."""
     def ring(n):
         return (n - 1) / n if n > 1 else 0.0
 
     fsdp = c.dp_shard * c.cp
     tokens = c.local_batch_size * seq_len / c.cp  # per micro-batch, per cp rank (tp ranks share them)
-    per_micro = (2 * act_bytes + 4) * shape["dense"] / c.tp * ring(fsdp)
+    layers, moe_layers = shape["layers"] / c.pp, shape["moe_layers"] / c.pp
+    per_micro = (2 * act_bytes + 4) * shape["dense"] / (c.tp * c.pp) * ring(fsdp)
     efsdp = fsdp * c.tp // (c.ep * c.etp) if c.ep > 1 else fsdp
-    per_micro += (2 * act_bytes + 4) * shape["expert"] / (c.ep * c.etp if c.ep > 1 else c.tp) * ring(efsdp)
+    per_micro += (2 * act_bytes + 4) * shape["expert"] / c.pp / (c.ep * c.etp if c.ep > 1 else c.tp) * ring(efsdp)
     tp_collectives = 8 + (4 if c.ac == "full" else 0)
-    per_micro += shape["layers"] * tp_collectives * tokens * shape["dim"] * act_bytes * ring(c.tp)
-    per_micro += shape["layers"] * 2 * 2 * tokens * c.cp * shape["dim"] / 2 / c.tp * act_bytes * ring(c.cp)
+    per_micro += layers * tp_collectives * tokens * shape["dim"] * act_bytes * ring(c.tp)
+    per_micro += layers * 2 * 2 * tokens * c.cp * shape["dim"] / 2 / c.tp * act_bytes * ring(c.cp)
     ep_calls = 4 + (2 if c.ac == "full" else 0)
-    per_micro += shape["moe_layers"] * ep_calls * tokens / c.tp * shape["top_k"] * shape["dim"] * act_bytes * ring(c.ep)
-    per_micro += 4 * (shape["dense"] / (c.tp * fsdp)) * 2 * ring(c.dp_replicate)
+    per_micro += moe_layers * ep_calls * tokens / c.tp * shape["top_k"] * shape["dim"] * act_bytes * ring(c.ep)
+    per_micro += 4 * (shape["dense"] / (c.tp * c.pp * fsdp)) * 2 * ring(c.dp_replicate)
+    if c.pp > 1:
+        per_micro += 2 * tokens / c.tp * shape["dim"] * act_bytes
     per_step = per_micro * c.accumulation
     tokens_per_rank = c.local_batch_size * c.accumulation * seq_len * c.dp_replicate * c.dp_shard / world_size
     return per_step / tokens_per_rank
@@ -246,7 +256,7 @@ def search(config, plan_args, progress=None) -> SearchResult:
     usable = (plan_args.device_memory_gib or device.memory_gib) * GIB * (1 - HEADROOM)
     base = copy.deepcopy(config)
     base.parallelism.pp = 1
-    first = validate(_with(base, Candidate(1, world, 1, 1, 1, 1, 1, 1, "none")), world_size=world)
+    first = validate(_with(base, Candidate(1, 1, world, 1, 1, 1, 1, 1, 1, "none")), world_size=world)
     n_experts = _routed_experts(first.model, first.info)
     shape = _model_shape(first.model, first.info)
     seq_len = config.training.seq_len
@@ -257,10 +267,12 @@ def search(config, plan_args, progress=None) -> SearchResult:
               "trace_failed": 0, "not_traced_limit": 0, "variants_of_fitting": 0, "heavier_than_not_fitting": 0}
     queue, valid_cache = [], {}
     for degrees in degree_layouts(world, n_experts):
-        dp = degrees[0] * degrees[1]
+        dp = degrees[1] * degrees[2]
         per_rank = wanted // dp if wanted % dp == 0 and wanted >= dp else 1
         result.global_sequences = max(result.global_sequences, per_rank * dp)
-        for lbs in [b for b in _powers_of_two(per_rank) if per_rank % b == 0]:
+        # Under pp the local batch is one pipeline step of per_rank micro-batches.
+        batches = [per_rank] if degrees[0] > 1 else [b for b in _powers_of_two(per_rank) if per_rank % b == 0]
+        for lbs in batches:
             for ac in AC_MODES:
                 c = Candidate(*degrees, lbs, per_rank // lbs, ac)
                 counts["candidates"] += 1
@@ -323,7 +335,8 @@ def search(config, plan_args, progress=None) -> SearchResult:
 def _layout(flags: list[str]) -> str:
     """A short name of a candidate's flags: the degrees above 1, the micro-batch and AC."""
     v = {k.rsplit(".", 1)[1]: value for k, value in zip(flags[::2], flags[1::2])}
-    degrees = " x ".join(f"{k} {v[k]}" for k in ("dp_replicate", "dp_shard", "tp", "cp", "ep", "etp") if v[k] != "1")
+    names = ("pp", "dp_replicate", "dp_shard", "tp", "cp", "ep", "etp")
+    degrees = " x ".join(f"{k} {v[k]}" for k in names if v[k] != "1")
     return (f"{degrees or 'one rank'}, micro-batch {v['local_batch_size']} x {v['gradient_accumulation_steps']}, "
             f"AC {v['activation_checkpoint']}")
 
@@ -339,9 +352,9 @@ def format_search(r: SearchResult, config, plan_args) -> str:
         f"plait-plan --plan.search: {config.model.name} {config.model.flavor} on {r.world_size} ranks of "
         f"{device.name}, {memory:.1f} GiB ({memory * (1 - HEADROOM):.1f} usable), global batch up to "
         f"{r.global_sequences} x {config.training.seq_len} tokens{batch_note}",
-        f"searched: dp_replicate, dp_shard, tp <= {MAX_TP}, cp <= {MAX_CP}, ep (dividing the routed experts), etp "
-        "(1 or tp), AC none / selective / full, micro-batch x accumulation; pp not searched (plait-plan does "
-        "not trace pipeline stages yet)",
+        f"searched: pp <= {MAX_PP} ({config.parallelism.pipeline_schedule}, {config.parallelism.pipeline_virtual_stages}"
+        f" stage(s) per rank), dp_replicate, dp_shard, tp <= {MAX_TP}, cp <= {MAX_CP}, ep (dividing the routed "
+        "experts), etp (1 or tp), AC none / selective / full, micro-batch x accumulation",
         f"{c['candidates']} candidates: {c['invalid']} invalid (plait-train's validation), {c['over_memory']} over "
         f"{PRUNE_FACTOR:g}x the usable memory by the analytic estimate, {c['traced']} traced ({c['fit']} fit, "
         f"{c['do_not_fit']} do not, {c['trace_failed']} failed to trace), {c['not_traced_limit']} not traced "
@@ -373,5 +386,5 @@ def format_search(r: SearchResult, config, plan_args) -> str:
 
 def search_json(r: SearchResult) -> dict:
     return {"world_size": r.world_size, "global_sequences": r.global_sequences,
-            "config_global_sequences": r.config_global_sequences, "counts": r.counts, "pp_searched": False,
+            "config_global_sequences": r.config_global_sequences, "counts": r.counts, "pp_searched": MAX_PP > 1,
             "fits": r.fits, "not_fitting": r.not_fitting, "failed": r.failed}
