@@ -6,7 +6,10 @@ latent attention whose shared rotary key feeds every head, and an MoE with a rep
 TP-sharded routed experts and row-wise-partial shared experts).
 
 One 4-rank spawn runs every layout in turn on fresh meshes: TP 4 and TP 2 with and without
-sequence / loss parallel, and FSDP 2 x TP 2 (torch's fully_shard).
+sequence / loss parallel, and FSDP 2 x TP 2 (torch's fully_shard). The `keywords` layouts run the
+same model with its blocks calling attention / FFN / MoE by keyword, as transformers does
+(`attention(x=h, positions=positions_S)`), the region openers naming the argument
+(`prepare_input(x)`), and the full-sequence positions passing through as a plain tensor.
 """
 
 import math
@@ -27,10 +30,11 @@ EXPERTS, TOP_K, EXPERT_HIDDEN, SHARED_HIDDEN = 4, 2, 16, 32
 BATCH, SEQ, STEPS = 2, 16, 5
 
 
-def _rope(x_BSHD: torch.Tensor) -> torch.Tensor:
+def _rope(x_BSHD: torch.Tensor, positions_S: torch.Tensor | None = None) -> torch.Tensor:
     # A fixed position-dependent rotation (enough to make positions matter, no buffers needed).
     S, D = x_BSHD.shape[1], x_BSHD.shape[-1]
-    angle = torch.arange(S, dtype=x_BSHD.dtype)[:, None] * (0.1 * torch.arange(1, D // 2 + 1, dtype=x_BSHD.dtype))
+    positions_S = torch.arange(S) if positions_S is None else positions_S
+    angle = positions_S.to(x_BSHD.dtype)[:, None] * (0.1 * torch.arange(1, D // 2 + 1, dtype=x_BSHD.dtype))
     cos, sin = angle.cos()[None, :, None, :], angle.sin()[None, :, None, :]
     a, b = x_BSHD[..., : D // 2], x_BSHD[..., D // 2 :]
     return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
@@ -44,10 +48,10 @@ class Attention(nn.Module):
         self.wv = nn.Linear(DIM, KV_HEADS * HEAD_DIM, bias=False)
         self.wo = nn.Linear(HEADS * HEAD_DIM, DIM, bias=False)
 
-    def forward(self, x):
+    def forward(self, x, positions=None):
         B, S, _ = x.shape
-        q = _rope(self.wq(x).view(B, S, -1, HEAD_DIM))
-        k = _rope(self.wk(x).view(B, S, -1, HEAD_DIM))
+        q = _rope(self.wq(x).view(B, S, -1, HEAD_DIM), positions)
+        k = _rope(self.wk(x).view(B, S, -1, HEAD_DIM), positions)
         v = self.wv(x).view(B, S, -1, HEAD_DIM)
         rep = q.shape[2] // k.shape[2]
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
@@ -66,11 +70,11 @@ class LatentAttention(nn.Module):
         self.wkv_b = nn.Linear(LATENT, HEADS * (HEAD_DIM + HEAD_DIM), bias=False)
         self.wo = nn.Linear(HEADS * HEAD_DIM, DIM, bias=False)
 
-    def forward(self, x):
+    def forward(self, x, positions=None):
         B, S, _ = x.shape
         q = self.wq(x).view(B, S, -1, 2 * HEAD_DIM)
         latent, k_rope = self.wkv_a(x).split([LATENT, ROPE], dim=-1)
-        k_rope = _rope(k_rope.unsqueeze(2))
+        k_rope = _rope(k_rope.unsqueeze(2), positions)
         kv = self.wkv_b(self.kv_norm(latent)).view(B, S, -1, 2 * HEAD_DIM)
         k_nope, v = kv.split([HEAD_DIM, HEAD_DIM], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
@@ -129,8 +133,9 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, moe: bool):
+    def __init__(self, moe: bool, keywords: bool = False):
         super().__init__()
+        self.keywords = keywords
         self.attention_norm = nn.RMSNorm(DIM)
         self.attention = LatentAttention() if moe else Attention()
         self.ffn_norm = nn.RMSNorm(DIM)
@@ -139,16 +144,20 @@ class Block(nn.Module):
         else:
             self.feed_forward = FeedForward(FFN)
 
-    def forward(self, x):
+    def forward(self, x, positions):
+        ffn = self.moe if hasattr(self, "moe") else self.feed_forward
+        if self.keywords:  # as transformers calls its sub-modules
+            h = x + self.attention(x=self.attention_norm(x), positions=positions)
+            return h + ffn(x=self.ffn_norm(h))
         h = x + self.attention(self.attention_norm(x))
-        return h + (self.moe if hasattr(self, "moe") else self.feed_forward)(self.ffn_norm(h))
+        return h + ffn(self.ffn_norm(h))
 
 
 class TinyModel(nn.Module):
-    def __init__(self, tie: bool = False):
+    def __init__(self, tie: bool = False, keywords: bool = False):
         super().__init__()
         self.tok_embeddings = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleDict({"0": Block(moe=False), "1": Block(moe=True)})
+        self.layers = nn.ModuleDict({"0": Block(False, keywords), "1": Block(True, keywords)})
         self.norm = nn.RMSNorm(DIM)
         self.output = nn.Linear(DIM, VOCAB, bias=False)
         if tie:
@@ -156,8 +165,9 @@ class TinyModel(nn.Module):
 
     def forward(self, tokens):
         h = self.tok_embeddings(tokens)
+        positions_S = torch.arange(tokens.shape[1])  # of the full sequence (h may be a sequence shard)
         for layer in self.layers.values():
-            h = layer(h)
+            h = layer(h, positions_S)
         return self.output(self.norm(h))
 
 
@@ -188,9 +198,18 @@ PLAN = {
 }
 
 
-def make_model(tie: bool = False) -> TinyModel:
+# The blocks call by keyword: the region openers name the argument carrying the hidden state.
+KEYWORD_PLAN = {
+    **PLAN,
+    "layers.*.attention": "prepare_input(x)",
+    "layers.*.feed_forward": "prepare_input(x)",
+    "layers.*.moe": "moe_input_output(x)",
+}
+
+
+def make_model(tie: bool = False, keywords: bool = False) -> TinyModel:
     torch.manual_seed(0)
-    model = TinyModel(tie)
+    model = TinyModel(tie, keywords)
     with torch.no_grad():
         for p in model.parameters():  # larger than default so the MoE and norms matter
             p.add_(torch.randn_like(p) * 0.05)
@@ -228,14 +247,16 @@ def full_params(model) -> dict[str, torch.Tensor]:
     }
 
 
-# (name, ParallelDims kwargs over 4 ranks, sequence_parallel, loss_parallel, fsdp, tie, adamw)
+# (name, ParallelDims kwargs over 4 ranks, sequence_parallel, loss_parallel, fsdp, tie, adamw, keywords)
 LAYOUTS = [
-    ("tp4_sp_lp", dict(tp=4), True, True, False, False, False),
-    ("tp4", dict(tp=4), False, False, False, False, False),
-    ("tp2_sp", dict(tp=2, dp_shard=2), True, False, False, False, False),  # both dp groups: same data
-    ("tp2_lp_tied", dict(tp=2, dp_shard=2), False, True, False, True, False),
-    ("fsdp2_tp2_sp_lp", dict(tp=2, dp_shard=2), True, True, True, False, False),
-    ("tp4_sp_lp_adamw", dict(tp=4), True, True, False, False, True),
+    ("tp4_sp_lp", dict(tp=4), True, True, False, False, False, False),
+    ("tp4", dict(tp=4), False, False, False, False, False, False),
+    ("tp2_sp", dict(tp=2, dp_shard=2), True, False, False, False, False, False),  # both dp groups: same data
+    ("tp2_lp_tied", dict(tp=2, dp_shard=2), False, True, False, True, False, False),
+    ("fsdp2_tp2_sp_lp", dict(tp=2, dp_shard=2), True, True, True, False, False, False),
+    ("tp4_sp_lp_adamw", dict(tp=4), True, True, False, False, True, False),
+    ("tp2_sp_lp_keywords", dict(tp=2, dp_shard=2), True, True, False, False, False, True),
+    ("tp2_keywords", dict(tp=2, dp_shard=2), False, False, False, False, False, True),
 ]
 
 
@@ -244,10 +265,11 @@ def _run_layouts(rank, world_size, layouts):
 
     torch.use_deterministic_algorithms(True)
     out = {}
-    for name, dims, sp, lp, fsdp, tie, adamw in layouts:
+    for name, dims, sp, lp, fsdp, tie, adamw, keywords in layouts:
         meshes = build_meshes(ParallelDims(world_size=world_size, **dims))
         config = TensorParallelConfig(sequence_parallel=sp, loss_parallel=lp)
-        model = apply_tensor_parallel(make_model(tie), meshes.tp, PLAN, config)
+        plan = KEYWORD_PLAN if keywords else PLAN
+        model = apply_tensor_parallel(make_model(tie, keywords), meshes.tp, plan, config)
         assert all(isinstance(p, DTensor) for p in model.parameters()), name
         if tie:
             assert model.output.weight is model.tok_embeddings.weight
@@ -255,7 +277,7 @@ def _run_layouts(rank, world_size, layouts):
             for block in model.layers.values():
                 fully_shard(block, mesh=meshes.fsdp)
             fully_shard(model, mesh=meshes.fsdp)
-        losses = train(model, lp=uses_loss_parallel(PLAN, config, meshes.tp.size()), adamw=adamw)
+        losses = train(model, lp=uses_loss_parallel(plan, config, meshes.tp.size()), adamw=adamw)
         out[name] = (losses, full_params(model))
     out["meta_build_norm_grads"] = _meta_build_norm_grads(world_size)
     return out
@@ -283,10 +305,12 @@ def test_tp_layouts_match_single_process():
         model = make_model(tie)
         losses = train(model, adamw=adamw)
         references[tie, adamw] = (losses, full_params(model))
+    # The keyword-calling model is the same computation: one process gives the same run.
+    assert train(make_model(keywords=True)) == references[False, False][0]
     results = run_on_ranks(_run_layouts, 4, LAYOUTS, timeout=240)
     norm_grads = results[0]["meta_build_norm_grads"]
     assert len(norm_grads) == 6 and set(norm_grads.values()) == {"(Replicate(),)"}, norm_grads
-    for name, *_, tie, adamw in LAYOUTS:
+    for name, *_, tie, adamw, _keywords in LAYOUTS:
         ref_losses, ref_params = references[tie, adamw]
         assert all(math.isfinite(x) for x in ref_losses) and ref_losses[-1] < ref_losses[0]
         # AdamW divides by sqrt(v): on near-zero gradients it magnifies fp32 reduction-order noise

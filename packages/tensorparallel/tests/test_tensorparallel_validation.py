@@ -134,3 +134,65 @@ def test_meta_model_is_sharded_without_materialising(tp_mesh):
     w1 = model.layers["1"].feed_forward.w1.weight
     assert w1.is_meta and w1.to_local().shape == (2, 4) and w1.shape == (8, 4)
     assert model.layers["1"].ffn_norm.weight.placements[0].is_replicate()
+
+
+class KeywordFFN(nn.Module):
+    """Called like transformers' modules: by keyword, with extra arguments through **kwargs."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(4, 8, bias=False), nn.Linear(8, 4, bias=False)
+
+    def forward(self, hidden_states=None, **kwargs):
+        return self.w2(self.w1(hidden_states))
+
+
+class KeywordModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ffn = KeywordFFN()
+
+
+KEYWORD_PLAN = {"ffn": "prepare_input(hidden_states)", "ffn.w1": "colwise", "ffn.w2": "rowwise"}
+
+
+def test_malformed_plan_strings_are_named(tp_mesh):
+    for bad in ("prepare_input(", "prepare_input()", "prepare_input(a, b)", "prepare_input(a)(b)", " colwise"):
+        with pytest.raises(TensorParallelConfigError, match=r"malformed tensor-parallel plan string .*prepare_input\("):
+            apply_tensor_parallel(KeywordModel(), tp_mesh, {**KEYWORD_PLAN, "ffn": bad}, TensorParallelConfig())
+    with pytest.raises(TensorParallelConfigError, match=r"unknown tensor-parallel plan string 'prepare_inputs\(x\)'"):
+        apply_tensor_parallel(KeywordModel(), tp_mesh, {**KEYWORD_PLAN, "ffn": "prepare_inputs(x)"}, TensorParallelConfig())
+    with pytest.raises(TensorParallelConfigError, match=r"'colwise\(x\)': only prepare_input and moe_input_output take"):
+        apply_tensor_parallel(KeywordModel(), tp_mesh, {**KEYWORD_PLAN, "ffn.w1": "colwise(x)"}, TensorParallelConfig())
+
+
+def test_an_argument_forward_does_not_take_is_named(tp_mesh):
+    # nn.Sequential.forward(input) takes no **kwargs: a wrong name is caught before any collective.
+    plan = {**PLAN, "layers.*.feed_forward": "prepare_input(hidden_states)"}
+    with pytest.raises(
+        TensorParallelConfigError,
+        match=r"plan entry 'layers.0.feed_forward': 'prepare_input\(hidden_states\)' names argument 'hidden_states', "
+        r"which Sequential.forward does not take \(it takes input\)",
+    ):
+        apply_tensor_parallel(Model(), tp_mesh, plan, TensorParallelConfig())
+    apply_tensor_parallel(Model(), tp_mesh, {**PLAN, "layers.*.feed_forward": "prepare_input(input)"}, TensorParallelConfig())
+
+
+def test_a_named_argument_missing_at_call_time_is_named(tp_mesh):
+    import torch
+
+    # The hook raises before entering the region, so no collective runs (the fake group could not).
+    model = apply_tensor_parallel(KeywordModel(), tp_mesh, KEYWORD_PLAN, TensorParallelConfig())
+    x = torch.zeros(2, 4, 4)
+    with pytest.raises(
+        TypeError,
+        match=r"plan entry 'ffn': 'prepare_input\(hidden_states\)' on KeywordFFN converts argument 'hidden_states', "
+        r"but the module was called without it \(0 positional, keywords: states\)",
+    ):
+        model.ffn(states=x)
+    with pytest.raises(TypeError, match=r"'prepare_input\(hidden_states\)' on KeywordFFN .* got NoneType"):
+        model.ffn(hidden_states=None)
+    plain = apply_tensor_parallel(KeywordModel(), tp_mesh, {**KEYWORD_PLAN, "ffn": "prepare_input"}, TensorParallelConfig())
+    with pytest.raises(TypeError, match=r"plan entry 'ffn': 'prepare_input' on KeywordFFN converts the first positional .*"
+                       r"name the argument in the plan"):
+        plain.ffn(hidden_states=x)

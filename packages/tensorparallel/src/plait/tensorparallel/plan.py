@@ -7,6 +7,8 @@ module types and sizes each style needs, styles outside a TP region, parameters 
 plain. Only then are parameters distributed.
 """
 
+import inspect
+import re
 from collections.abc import Callable, Iterable
 from fnmatch import fnmatchcase
 
@@ -40,8 +42,9 @@ PLAN_STRINGS = {
     "sequence_parallel": "norm on sequence shards under SP (replicated weights); replicated norm otherwise",
     "embedding_rowwise": "nn.Embedding, vocab sharded; output Shard(1) under SP, else Replicate",
     "output_colwise": "nn.Linear to the vocab, sharded on it; logits kept Shard(-1) under loss parallel",
-    "prepare_input": "opens a TP region: first positional input Shard(1) (SP) / Replicate -> Replicate",
-    "moe_input_output": "opens a TP region like prepare_input; output partial sum -> Shard(1) / Replicate",
+    "prepare_input": "opens a TP region: first positional input (or the argument named as "
+    "prepare_input(name)) Shard(1) (SP) / Replicate -> Replicate",
+    "moe_input_output": "opens a TP region like prepare_input (also (name)); output partial sum -> Shard(1) / Replicate",
     "replicate": "replicated weights, redundant compute inside a region (MLA latent path, router)",
     "experts_tp": "routed grouped experts [E, in, out], hidden dim sharded (runs without expert parallel)",
 }
@@ -49,10 +52,39 @@ PLAN_STRINGS = {
 _REGION_OPENERS = ("prepare_input", "moe_input_output")
 # Styles whose gradient convention only holds inside a region (see styles.py).
 _REGION_ONLY = ("colwise", "rowwise", "rowwise_partial", "replicate", "experts_tp")
+# `style` or `style(argument)`: a region opener may name the argument that carries the hidden state.
+_PLAN_STRING = re.compile(r"(\w+)(?:\((\w+)\))?")
 
 
-def build_style(plan_string: str, config: TensorParallelConfig) -> ParallelStyle:
-    """The ParallelStyle for one plan string under `config` (sequence / loss parallel)."""
+def parse_plan_string(plan_string: str) -> tuple[str, str | None]:
+    """`"prepare_input(hidden_states)"` -> `("prepare_input", "hidden_states")`; `"colwise"` -> `("colwise", None)`.
+
+    Raises for a malformed or unknown string, or an argument on a style that takes none."""
+    match = _PLAN_STRING.fullmatch(plan_string) if isinstance(plan_string, str) else None
+    if match is None:
+        raise TensorParallelConfigError(
+            f"malformed tensor-parallel plan string {plan_string!r}: write a style name such as 'colwise', or "
+            "a region opener with the name of the argument it converts, e.g. 'prepare_input(hidden_states)'."
+        )
+    style, argument = match.groups()
+    if style not in PLAN_STRINGS:
+        raise TensorParallelConfigError(
+            f"unknown tensor-parallel plan string {plan_string!r}; known: {', '.join(PLAN_STRINGS)} "
+            "(docs/contracts.md)."
+        )
+    if argument is not None and style not in _REGION_OPENERS:
+        raise TensorParallelConfigError(
+            f"plan string {plan_string!r}: only {' and '.join(_REGION_OPENERS)} take an argument name "
+            f"(the input that opens the region); write {style!r}."
+        )
+    return style, argument
+
+
+def build_style(plan_string: str, config: TensorParallelConfig, entry: str = "") -> ParallelStyle:
+    """The ParallelStyle for one plan string under `config` (sequence / loss parallel).
+
+    `entry` (the module path) only names the plan entry in errors raised at call time."""
+    style, argument = parse_plan_string(plan_string)
     sp, lp = config.sequence_parallel, config.loss_parallel
     stream = Shard(1) if sp else Replicate()  # the residual stream between blocks
     builders: dict[str, Callable[[], ParallelStyle]] = {
@@ -62,17 +94,12 @@ def build_style(plan_string: str, config: TensorParallelConfig) -> ParallelStyle
         "sequence_parallel": lambda: SequenceParallelNorm() if sp else ReplicatedNorm(),
         "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
         "output_colwise": lambda: _output_colwise(stream, lp),
-        "prepare_input": lambda: RegionInput(stream),
-        "moe_input_output": lambda: RegionInput(stream, output_layout=stream),
+        "prepare_input": lambda: RegionInput(stream, argument=argument, entry=entry),
+        "moe_input_output": lambda: RegionInput(stream, output_layout=stream, argument=argument, entry=entry),
         "replicate": ReplicateCompute,
         "experts_tp": ExpertsTensorParallel,
     }
-    if plan_string not in builders:
-        raise TensorParallelConfigError(
-            f"unknown tensor-parallel plan string {plan_string!r}; known: {', '.join(PLAN_STRINGS)} "
-            "(docs/contracts.md)."
-        )
-    return builders[plan_string]()
+    return builders[style]()
 
 
 def _output_colwise(stream, loss_parallel: bool) -> ParallelStyle:
@@ -104,8 +131,7 @@ def resolve_plan(
     roots = [root for pattern in external for root in _expand(pattern, modules)]
     resolved, seen = [], {}
     for pattern, plan_string in plan.items():
-        if plan_string not in PLAN_STRINGS:
-            build_style(plan_string, TensorParallelConfig())  # raises the unknown-string error
+        parse_plan_string(plan_string)  # raises for a malformed or unknown string
         matches = [path for path in modules if path and path_matches(pattern, path)]
         if not matches:
             raise TensorParallelConfigError(
@@ -132,10 +158,10 @@ def _expand(pattern: str, modules: dict) -> list[str]:
 
 def check_plan(model: nn.Module, resolved: list, tp: int, external: Iterable[str] = ()) -> None:
     """Structural checks of the resolved plan against tp, before any collective."""
-    regions = [path for path, s, _ in resolved if s in _REGION_OPENERS]
+    regions = [path for path, s, _ in resolved if parse_plan_string(s)[0] in _REGION_OPENERS]
     for path, plan_string, module in resolved:
         _check_module(path, plan_string, module, tp)
-        if plan_string in _REGION_ONLY and not any(_under(path, r) and path != r for r in regions):
+        if parse_plan_string(plan_string)[0] in _REGION_ONLY and not any(_under(path, r) and path != r for r in regions):
             raise TensorParallelConfigError(
                 f"plan entry {path!r}: {plan_string!r} must sit inside a module marked 'prepare_input' or "
                 "'moe_input_output' (that module converts the block's hidden state and reduces the partial "
@@ -159,6 +185,9 @@ def _check_module(path: str, plan_string: str, module: nn.Module, tp: int) -> No
                 f"does not divide it. Use a tp that divides {size}, or change the model's size."
             )
 
+    argument = parse_plan_string(plan_string)[1]
+    if argument is not None:
+        _check_argument(path, plan_string, module, argument)
     if plan_string in ("colwise", "output_colwise"):
         need(nn.Linear, "its output features are sharded")
         divisible(module.out_features, "out_features")
@@ -179,9 +208,24 @@ def _check_module(path: str, plan_string: str, module: nn.Module, tp: int) -> No
             divisible(w.shape[dim], f"the expert hidden dim ({name}.shape[{dim}])")
 
 
+def _check_argument(path: str, plan_string: str, module: nn.Module, argument: str) -> None:
+    """The named argument must be one `forward` can receive (by name, or through its **kwargs)."""
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):  # no introspectable signature: checked when called
+        return
+    if argument in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    raise TensorParallelConfigError(
+        f"plan entry {path!r}: {plan_string!r} names argument {argument!r}, which "
+        f"{type(module).__name__}.forward does not take (it takes {', '.join(params) or 'nothing'}). "
+        "Name the argument that carries the hidden state."
+    )
+
+
 def _check_coverage(model: nn.Module, resolved: list, external: Iterable[str]) -> None:
     """Every parameter must end up on the tp mesh (or be left to another package)."""
-    covered = [path for path, s, _ in resolved if s not in _REGION_OPENERS]
+    covered = [path for path, s, _ in resolved if parse_plan_string(s)[0] not in _REGION_OPENERS]
     modules = dict(model.named_modules())
     skipped = [e for p in external for e in _expand(p, modules)]
     for name, param in model.named_parameters():
@@ -217,8 +261,8 @@ def apply_tensor_parallel(
     if config.async_tp:
         check_async_tp(tp, config)
     ties = _tied_parameters(model)
-    for _path, plan_string, module in resolved:
-        parallelize_module(module, tp_mesh, build_style(plan_string, config))
+    for path, plan_string, module in resolved:
+        parallelize_module(module, tp_mesh, build_style(plan_string, config, entry=path))
     _retie(model, ties)
     _keep_norm_grad_hooks(model)
     if config.async_tp:

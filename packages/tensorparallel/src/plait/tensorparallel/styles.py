@@ -19,6 +19,8 @@ Any mix of consumers then works with no knowledge of the model: MLA's shared rot
 every local head), a router whose scores weight TP-partial expert outputs, shared experts.
 """
 
+import inspect
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -29,13 +31,14 @@ _PARTIAL = (Partial(),)
 _REPLICATE = (Replicate(),)
 
 
-def _first_arg(module: nn.Module, args: tuple, kwargs: dict, what: str) -> torch.Tensor:
-    if not args or not isinstance(args[0], torch.Tensor):
-        raise TypeError(
-            f"{what} on {type(module).__name__} converts the first positional argument (the hidden state), "
-            "but the module was called without a tensor there; pass the hidden state positionally."
-        )
-    return args[0]
+def _position_of(module: nn.Module, argument: str) -> int | None:
+    """Index of `argument` among `module.forward`'s positional parameters (None: keyword only / unknown)."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return positional.index(argument) if argument in positional else None
 
 
 def enter_region(x: torch.Tensor, mesh: DeviceMesh, layout: Placement) -> torch.Tensor:
@@ -55,31 +58,83 @@ def leave_region(y: torch.Tensor, mesh: DeviceMesh, layout: Placement) -> torch.
 
 
 class RegionInput(ParallelStyle):
-    """`prepare_input` / `moe_input_output`: open a TP region on the module's first positional input.
+    """`prepare_input` / `moe_input_output`: open a TP region on the module's hidden-state input.
+
+    That input is the first positional argument, or with `argument` the one of that name, passed
+    by position or by keyword (transformers calls `self_attn(hidden_states=...)`). Other arguments
+    pass through untouched: they must already be what every TP rank needs whole (e.g. RoPE
+    cos / sin of the full sequence; inside the region the sequence is gathered).
 
     With `output_layout`, the module's output is a partial sum over TP ranks (MoE: TP-sharded
     experts plus row-wise shared experts) and is reduced to `output_layout` on the way out.
     """
 
-    def __init__(self, input_layout: Placement, output_layout: Placement | None = None):
+    def __init__(
+        self,
+        input_layout: Placement,
+        output_layout: Placement | None = None,
+        argument: str | None = None,
+        entry: str = "",
+    ):
         super().__init__()
         self.input_layout = input_layout
         self.output_layout = output_layout
+        self.argument = argument
+        self.entry = entry  # the plan entry (module path), for errors at call time
+
+    def _plan_string(self) -> str:
+        name = "prepare_input" if self.output_layout is None else "moe_input_output"
+        return name if self.argument is None else f"{name}({self.argument})"
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        what = "prepare_input" if self.output_layout is None else "moe_input_output"
+        position = 0 if self.argument is None else _position_of(module, self.argument)
+
+        def enter(x):
+            return enter_region(x, device_mesh, self.input_layout)
 
         def pre_hook(mod, args, kwargs):
-            x = _first_arg(mod, args, kwargs, what)
-            return (enter_region(x, device_mesh, self.input_layout), *args[1:]), kwargs
+            if self.argument is not None and self.argument in kwargs:
+                self._check_tensor(mod, kwargs[self.argument])
+                return args, {**kwargs, self.argument: enter(kwargs[self.argument])}
+            if position is None or len(args) <= position:
+                self._missing(mod, args, kwargs)
+            self._check_tensor(mod, args[position])
+            return (*args[:position], enter(args[position]), *args[position + 1 :]), kwargs
 
         module.register_forward_pre_hook(pre_hook, with_kwargs=True)
         if self.output_layout is not None:
             module.register_forward_hook(lambda mod, args, out: leave_region(out, device_mesh, self.output_layout))
         return module
 
+    def _where(self, mod: nn.Module) -> str:
+        entry = f"plan entry {self.entry!r}: " if self.entry else ""
+        return f"{entry}{self._plan_string()!r} on {type(mod).__name__}"
+
+    def _missing(self, mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.argument is None:
+            raise TypeError(
+                f"{self._where(mod)} converts the first positional argument (the hidden state), but the module "
+                f"was called without one (keywords: {', '.join(kwargs) or 'none'}); name the argument in the "
+                "plan, e.g. 'prepare_input(hidden_states)'."
+            )
+        raise TypeError(
+            f"{self._where(mod)} converts argument {self.argument!r}, but the module was called without it "
+            f"({len(args)} positional, keywords: {', '.join(kwargs) or 'none'}); name the argument that "
+            "carries the hidden state."
+        )
+
+    def _check_tensor(self, mod: nn.Module, x) -> None:
+        if not isinstance(x, torch.Tensor):
+            what = "the first positional argument" if self.argument is None else f"argument {self.argument!r}"
+            raise TypeError(
+                f"{self._where(mod)} converts {what}, but got {type(x).__name__}, not the hidden-state tensor."
+            )
+
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(input_layout={self.input_layout}, output_layout={self.output_layout})"
+        return (
+            f"{type(self).__name__}(input_layout={self.input_layout}, output_layout={self.output_layout}, "
+            f"argument={self.argument})"
+        )
 
 
 class RegionColwise(ColwiseParallel):
