@@ -31,6 +31,13 @@ def build_report(config, plan, traced, device: Device, device_memory_gib: float,
                      "link": "nvlink" if gb_s == device.nvlink_gb_s else "ib", "seconds": wire / (gb_s * 1e9)})
     comm_s = sum(c["seconds"] for c in comm)
     limit = device_memory_gib * GIB * (1 - HEADROOM)
+    # The traced step is a run's first: AdamW makes its state in that step's optimizer step, so a
+    # peak reached in forward or backward had no state alive. From step 2 on it is alive all
+    # through (and gradients are freed each step): a later step's peak adds it.
+    peak, parts = traced.peak, dict(traced.peak_parts)
+    if traced.optimizer and not parts.get("Optstate"):
+        peak += traced.optimizer
+        parts["Optstate"] = traced.optimizer
     return {
         "config": f"{config.model.name} {config.model.flavor}",
         "layout": {**asdict(dims), "efsdp": dims.efsdp if dims.ep > 1 else None},
@@ -40,12 +47,12 @@ def build_report(config, plan, traced, device: Device, device_memory_gib: float,
         "dtype": t.dtype,
         "memory": {
             "parameters": traced.params, "gradients": traced.grads, "optimizer": traced.optimizer,
-            "activations": traced.activations, "logits": traced.logits, "peak": traced.peak,
-            "peak_at": {"module": traced.peak_module, "phase": traced.peak_phase}, "peak_parts": traced.peak_parts,
+            "activations": traced.activations, "logits": traced.logits, "peak": peak, "first_step_peak": traced.peak,
+            "peak_at": {"module": traced.peak_module, "phase": traced.peak_phase}, "peak_parts": parts,
         },
         "analytic_estimate": analytic,
         "pipeline": pipe,
-        "fits": traced.peak <= limit,
+        "fits": peak <= limit,
         "device_memory_gib": device_memory_gib,
         "usable_gib": limit / GIB,
         "communication": comm,
@@ -58,7 +65,8 @@ def build_report(config, plan, traced, device: Device, device_memory_gib: float,
         "assumptions": [
             device.assumptions(),
             "FLOPs: the model's flops_per_token (6 x params + attention; activation-checkpoint recompute not counted)",
-            "memory: torch's MemTracker over one traced step (parameters, gradients, optimizer state, activations, "
+            "memory: the peak of a step after the first (the first step's traced peak plus the optimizer state "
+            "when that peak came before the state existed); torch's MemTracker over one traced step (parameters, gradients, optimizer state, activations, "
             "temporaries); no CUDA context, allocator fragmentation or NCCL buffers",
             "dropless expert parallel: balanced routing (each MoE layer's rows split evenly over the ep ranks)",
             "training.compile is traced eagerly",
