@@ -1,14 +1,15 @@
 """Pipeline bubble and memory per stage on CPU ranks (gloo): idle fraction per schedule next to theory.
 
-    python benchmarks/bench_pipeline.py                              # PP 2 and 4, the full table (~8 min on 2 cores)
+    python benchmarks/bench_pipeline.py                              # PP 2 and 4, the full table (~8 min on 2 idle cores)
     python benchmarks/bench_pipeline.py --pp 2 --microbatches 4 --steps 2   # smoke run, well under a minute
-    python benchmarks/bench_pipeline.py --microbatches 2=4,8,16 4=8 --results benchmarks/RESULTS.md
+    python benchmarks/bench_pipeline.py --microbatches 2=4,8,16 4=8,16 --results benchmarks/RESULTS.md
 
 Model: plait's Llama 3 (debug flavour widened to 8 layers, dim 256, seq 256), fp32, micro-batch
 size 1, so a step's work grows with the micro-batch count m and each micro-batch costs the same.
 Schedules (torch's, through `plait.pipelineparallel`): GPipe, 1F1B, Interleaved1F1B (2 virtual
 stages per rank) and ZBVZeroBubble (2 stages per rank in a V, backward split into input and weight
-gradients). One spawn of pp ranks (one thread each) runs every (schedule, m) case in turn.
+gradients). One spawn of pp ranks (one thread each) runs every case; the schedules of one m take
+turns step by step, so load from other processes on shared cores falls on all of them alike.
 
 What is measured, per rank (= per pp stage; interleaved and V schedules hold 2 stages per rank):
 - busy: wall time inside the stage's compute calls, i.e. torch's `PipelineStage.forward_one_chunk`,
@@ -19,19 +20,25 @@ What is measured, per rank (= per pp stage; interleaved and V schedules hold 2 s
   from waiting the same way for every schedule. The compute calls themselves never wait on a peer
   (every receive is waited on before them, every send fired after them), so time inside them is
   compute and time outside is the bubble plus communication. Timing them costs two clock reads per
-  call (no profiler overhead on the compute itself).
-- wall: the rank's `Pipeline.step` after a barrier; idle = 1 - busy / wall. Gloo's waits block
+  call (no profiler overhead on the compute itself). "core share": the thread's CPU time inside
+  those calls over their wall time, all ranks together: 1.00 when a rank had a core whenever it
+  computed; lower when ranks or other processes competed for the cores (compute stretched, so
+  busy reads high and idle low: read such rows with that in mind).
+- wall: the rank's `Pipeline.step` after a barrier; idle = 1 - busy / wall, the median over the
+  timed steps. Gloo's waits block
   (the waiting rank leaves the core), so a rank's idle time is real idle time. With more ranks than
   cores (PP 4 on 2 cores), ranks that could compute together take turns: the compute calls stretch
-  (busy grows, idle shrinks) and the step is longer; those rows are marked oversubscribed and say
-  less about the schedule.
+  (busy grows, idle shrinks) and the step is longer; those rows are marked `pp*` and say less
+  about the schedule (the same holds when other processes load the cores: the run prints the load).
 - step: the slowest rank's wall time, median over the timed steps; "vs 1F1B" is that over 1F1B's at
   the same (pp, m), measured in the same invocation.
 - peak: the most bytes of tensor storage alive at once during one extra step, counted over every
   storage the step allocates (a dispatch mode sees each op's outputs; a storage counts until it is
-  freed): activations kept for backward, gradients, temporaries and received activations. Memory
-  allocated before the step (parameters, torch's receive buffers made at the first step) is not in
-  it. GPipe keeps all m micro-batches' activations until its backward starts, 1F1B at most pp - rank.
+  freed): activations kept for backward, gradients and temporaries. Memory allocated before the
+  step is not in it: parameters, and torch's receive buffers, one per micro-batch for activations
+  and one for gradients, made at the first step (m x 0.25 MiB each here, the same for every
+  schedule). GPipe keeps all m micro-batches' activations until its backward starts, 1F1B at most
+  pp - rank.
 
 Theory (the "theory" column): for GPipe and 1F1B the bubble fraction is (p - 1) / (m + p - 1); for
 Interleaved1F1B with v virtual stages per rank (p - 1) / (v m + p - 1) (Megatron-LM's (p - 1) / (v m)
@@ -39,7 +46,9 @@ bubble over v m micro-batch slots plus itself); ZBVZeroBubble's ideal is 0 (equa
 input-backward and weight-backward times and m >= 2p; with unequal times a remainder stays). Those
 formulas assume equal stages; here the last stage also holds the norm, the output head (vocab 2048)
 and the loss, so the other ranks idle more than the formula says, and the embedding makes stage 0
-slightly heavier than the middle ones.
+slightly heavier than the middle ones. "theory, measured stage times" puts the measured compute
+per rank (the "compute s" column, per step) into the same model for GPipe and 1F1B: the step takes
+sum(t) + (m - 1) max(t) with t a rank's compute per micro-batch, and rank r idles the rest of it.
 """
 
 import argparse
@@ -76,6 +85,15 @@ def theory(schedule: str, p: int, m: int) -> float:
     if schedule == "Interleaved1F1B":
         return (p - 1) / (SCHEDULES[schedule] * m + p - 1)
     return 0.0
+
+
+def uneven_theory(busy: list[float], m: int) -> list[float]:
+    """Idle per rank of GPipe / 1F1B with the stages' measured compute: the step takes one pass of
+    a micro-batch through every stage plus m - 1 more at the slowest stage's pace,
+    sum(t) + (m - 1) max(t) with t = busy / m; equal stages give (p - 1) / (m + p - 1)."""
+    t = [b / m for b in busy]
+    step = sum(t) + (m - 1) * max(t)
+    return [1 - b / step for b in busy]
 
 
 class LiveBytes(TorchDispatchMode):
@@ -120,16 +138,16 @@ def _batch(n_mb: int, vocab: int):
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def _instrument(pipeline, spans: list[float]) -> None:
+def _instrument(pipeline, spans: list[tuple[float, float]]) -> None:
     """Time every compute call of this rank's stages (wrapped on these instances only)."""
 
     def timed(fn):
         def wrapper(*args, **kwargs):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
-                spans.append(time.perf_counter() - t0)
+                spans.append((time.perf_counter() - t0, time.thread_time() - c0))
 
         return wrapper
 
@@ -152,7 +170,7 @@ def _timed_step(meshes, schedule: str, n_mb: int):
     validate_pipeline_parallel(info, pp, schedule, n_mb, None, virtual)
     stages = split_stages(model, info, pp, meshes.pp_rank, None, virtual, schedule_style(schedule))
     pipeline = build_pipeline(stages, meshes.pp.get_group(), schedule, n_mb, _summed_ce, "cpu")
-    spans: list[float] = []
+    spans: list[tuple[float, float]] = []
     _instrument(pipeline, spans)
     inputs, labels = _batch(n_mb, FLAVORS["debugmodel"].vocab_size)
     scale = 1.0 / labels.numel()
@@ -164,7 +182,8 @@ def _timed_step(meshes, schedule: str, n_mb: int):
         spans.clear()
         t0 = time.perf_counter()
         pipeline.step(inputs, labels, scale=scale)
-        return time.perf_counter() - t0, sum(spans)
+        wall = time.perf_counter() - t0
+        return wall, sum(w for w, _ in spans), sum(c for _, c in spans)
 
     step.param_bytes = sum(p.numel() * p.element_size() for m in pipeline.modules for p in m.parameters())
     return step
@@ -187,8 +206,9 @@ def _rank_main(rank, world_size, cases, steps):
         for c, step in steps_by_case.items():
             with LiveBytes() as live:
                 step()
-            walls, busies = zip(*timed[c])
-            out[c] = {"wall": list(walls), "busy": list(busies), "peak": live.peak, "params": step.param_bytes}
+            walls, busies, cpus = zip(*timed[c])
+            out[c] = {"wall": list(walls), "busy": list(busies), "cpu": list(cpus), "peak": live.peak,
+                      "params": step.param_bytes}
         del steps_by_case
     return out
 
@@ -238,8 +258,9 @@ def main():
             f"commit {_commit()}; {args.steps} timed steps per case (medians; the schedules of one m take turns step "
             f"by step) after 1 warm-up, peak from 1 more. pp* = more ranks than cores (oversubscribed).")
     print(head, flush=True)
-    lines = ["| schedule | pp | m | idle per rank (measured) | mean idle | theory | step s | vs 1F1B | "
-             "peak MiB per rank |", "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- |"]
+    lines = ["| schedule | pp | m | idle per rank (measured) | mean idle | theory | theory, measured stage times | "
+             "compute s per rank | core share | step s | vs 1F1B | peak MiB per rank |",
+             "| --- | ---: | ---: | --- | ---: | ---: | --- | --- | ---: | ---: | ---: | --- |"]
     notes = []
     print("\n".join(lines), flush=True)
     for pp in pps:
@@ -258,9 +279,13 @@ def main():
         for s, m in cases:
             idle = [statistics.median(1 - b / w for b, w in zip(r[(s, m)]["busy"], r[(s, m)]["wall"]))
                     for r in results]
+            busy = [statistics.median(r[(s, m)]["busy"]) for r in results]
+            share = sum(sum(r[(s, m)]["cpu"]) for r in results) / sum(sum(r[(s, m)]["busy"]) for r in results)
+            uneven = " / ".join(f"{i:.2f}" for i in uneven_theory(busy, m)) if SCHEDULES[s] == 1 else "-"
             base = step_s.get(("1F1B", m))
-            row = (f"| {s} | {pp}{'*' if pp > cores else ''} | {m} | {' / '.join(f'{i:.2f}' for i in idle)} | {statistics.mean(idle):.2f} | "
-                   f"{theory(s, pp, m):.2f} | {step_s[(s, m)]:.2f} | ")
+            row = (f"| {s} | {pp}{'*' if pp > cores else ''} | {m} | {' / '.join(f'{i:.2f}' for i in idle)} | "
+                   f"{statistics.mean(idle):.2f} | {theory(s, pp, m):.2f} | {uneven} | "
+                   f"{' / '.join(f'{b:.2f}' for b in busy)} | {share:.2f} | {step_s[(s, m)]:.2f} | ")
             row += f"{step_s[(s, m)] / base:.2f} | " if base else "- | "
             row += " / ".join(f"{r[(s, m)]['peak'] / 2**20:.0f}" for r in results) + " |"
             lines.append(row)
