@@ -5,6 +5,7 @@
 See the package README and docs/contracts.md (the experts contract it relies on).
 """
 
+from .adapter import StackedExperts, local, permute_and_pad, unpermute
 from .api import ExpertParallelConfig, apply_expert_parallel, validate_expert_parallel
 from .capacity import CapacityDispatcher, capacity_per_expert
 from .dispatch import AllToAllDispatcher
@@ -14,8 +15,12 @@ __version__ = "0.1.0"
 __all__ = [
     "AllToAllDispatcher",
     "CapacityDispatcher",
+    "StackedExperts",
     "ExpertParallelConfig",
     "apply_expert_parallel",
     "capacity_per_expert",
+    "local",
+    "permute_and_pad",
+    "unpermute",
     "validate_expert_parallel",
 ]

@@ -10,6 +10,7 @@ With tensor parallel the MoE is a TP region (every TP rank holds the same routed
   all rows to its ep peers, whose partial outputs the region's exit sums.
 """
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -85,6 +86,48 @@ def _shard_experts(module: nn.Module, ep_mesh: DeviceMesh, ep_etp_mesh: DeviceMe
         module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
 
+def _experts_module(model: nn.Module, path: str) -> nn.Module:
+    """The module at `path`, if it keeps the experts contract (docs/contracts.md, "Your own model:
+    expert parallel"); else a one-line error naming what it lacks. Local: no collective."""
+    try:
+        module = model.get_submodule(path)
+    except AttributeError:
+        raise ParallelConfigError(
+            f"expert module {path!r} is not a module path of the model: name the module whose forward takes "
+            "(routed_input_ND, num_tokens_per_expert_E)."
+        ) from None
+    what = f"expert module {path!r} ({type(module).__name__})"
+    nested = [name for name, _ in module.named_parameters() if "." in name]
+    own = dict(module.named_parameters(recurse=False))
+    if nested or not own:
+        held = f"{'no parameters of its own' if not own else 'parameters'} in sub-modules ({', '.join(nested[:3])}...)"
+        raise ParallelConfigError(
+            f"{what} holds {held if nested else 'no parameters'}: expert parallel shards only the weights a module "
+            "holds itself, stacked [E, ...]; wrap per-expert modules in plait.expertparallel.StackedExperts(...)."
+        )
+    first, num_experts = next(iter(own)), next(iter(own.values())).shape[0]
+    for name, p in own.items():
+        if p.dim() == 0 or p.shape[0] != num_experts:
+            raise ParallelConfigError(
+                f"{what}: parameter {name!r} has shape {list(p.shape)}, not the experts on dim 0 ({num_experts} from "
+                f"{first!r}): stack every expert weight [E, ...]."
+            )
+    for helper in ("permute_and_pad", "unpermute"):
+        if not callable(getattr(module, helper, None)):
+            raise ParallelConfigError(
+                f"{what} has no {helper}: set permute_and_pad = staticmethod(plait.expertparallel.permute_and_pad) "
+                "and unpermute likewise (the experts contract, docs/contracts.md)."
+            )
+    try:
+        inspect.signature(module.forward).bind(None, None)
+    except TypeError:
+        raise ParallelConfigError(
+            f"{what}: forward{inspect.signature(module.forward)} does not take (routed_input_ND, "
+            "num_tokens_per_expert_E) positionally, which expert parallel dispatches."
+        ) from None
+    return module
+
+
 class _DispatchHooks:
     """Forward pre-hook: dispatch the module's inputs. Forward hook: combine its output.
 
@@ -97,6 +140,11 @@ class _DispatchHooks:
         self._shares: list[RowShare] = []
 
     def before(self, module, args):
+        if len(args) != 2:
+            raise TypeError(
+                f"{type(module).__name__} called with {len(args)} positional arguments: expert parallel dispatches "
+                "experts(routed_input_ND, num_tokens_per_expert_E), both positional."
+            )
         x_ND, num_tokens_per_expert_E = args
         if self.split is None:
             return self.dispatcher.dispatch(x_ND, num_tokens_per_expert_E)
@@ -136,17 +184,13 @@ def apply_expert_parallel(
     tp = tp_mesh.size() if tp_mesh is not None else 1
     etp = ep_etp_mesh.size(1) if ep_etp_mesh is not None else 1
     split = (tp_mesh.get_local_rank(), tp) if tp > 1 and etp == 1 else None
+    # Every module checked before the first one is sharded (distribute_tensor is a collective).
+    modules = {path: _experts_module(model, path) for path in expert_modules}
+    for module in modules.values():
+        validate_expert_parallel(next(module.parameters()).shape[0], ep, tp, etp, config)
     dispatchers = {}
-    for path in expert_modules:
-        module = model.get_submodule(path)
+    for path, module in modules.items():
         num_experts = next(module.parameters()).shape[0]
-        validate_expert_parallel(num_experts, ep, tp, etp)
-        for helper in ("permute_and_pad", "unpermute"):
-            if not callable(getattr(module, helper, None)):
-                raise ParallelConfigError(
-                    f"expert module {path!r} ({type(module).__name__}) has no {helper}: it does not follow the "
-                    "experts contract (docs/contracts.md)."
-                )
         _shard_experts(module, ep_mesh, ep_etp_mesh)
         # One padding rule on every path and device: the module's (CPU tensors are CUDA's tensors).
         alignment = config.alignment or getattr(module, "group_alignment", 1)
