@@ -10,7 +10,7 @@
 from .async_tp import enable_async_tp
 from .config import TensorParallelConfig, TensorParallelConfigError, validate_tensor_parallel
 from .loss import loss_parallel_context
-from .plan import PLAN_STRINGS, apply_tensor_parallel, build_style, uses_loss_parallel
+from .plan import PLAN_STRINGS, apply_tensor_parallel, build_style, parse_plan_string, uses_loss_parallel
 
 __version__ = "0.1.0"
 
@@ -22,6 +22,7 @@ __all__ = [
     "build_style",
     "enable_async_tp",
     "loss_parallel_context",
+    "parse_plan_string",
     "uses_loss_parallel",
     "validate_tensor_parallel",
 ]
