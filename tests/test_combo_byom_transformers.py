@@ -6,6 +6,10 @@ every rank; it is parallelised only by plan data and package calls, never edited
 - fsdp2_tp2_sp_lp: FSDP 2 (plait.dataparallel) x TP 2 with sequence and loss parallel, SDPA;
 - fsdp2_tp2_sp_eager: FSDP 2 x TP 2 with SP, transformers' eager attention, given the full-sequence
   causal mask as a 4D tensor (under SP transformers would build it for the local sequence shard).
+- cp2_allgather / cp2_ring / cp2_ulysses: CP 2 (FSDP over the cp ranks) through transformers'
+  attention interface: plait.contextparallel.ContextParallelSDPA registered as "plait_cp", each rank
+  feeding its load-balanced (head-tail) tokens with their positions as position_ids (RoPE);
+- fsdp2_cp2_tp2_ring: FSDP 2 x CP 2 (ring) x TP 2 with SP and loss parallel, 8 ranks.
 Each must match the single-process run: losses at every step within the parity matrix's fp32
 tolerance (1e-5), parameters after the last step within 1e-5 (SGD with momentum).
 
