@@ -19,7 +19,10 @@ cases in turn, on fresh meshes. To add a case (e.g. context parallel, CP 2 per m
 CP 2 x TP 2), write its function and add it to CASES: a new world size gets its own spawn.
 """
 
+import ast
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -240,3 +243,10 @@ def test_a_plan_that_misses_transformers_keyword_call_says_so():
                 model(input_ids=tokens)
     finally:
         dist.destroy_process_group()
+
+
+def test_the_readme_plan_is_the_tested_plan():
+    readme = (Path(__file__).parents[1] / "packages/tensorparallel/README.md").read_text()
+    plan = re.search(r"^LLAMA_TP_PLAN = (\{.*?^\})", readme, re.S | re.M)
+    assert plan is not None, "packages/tensorparallel/README.md lost its LLAMA_TP_PLAN"
+    assert ast.literal_eval(plan.group(1)) == LLAMA_TP_PLAN
