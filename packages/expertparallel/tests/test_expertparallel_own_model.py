@@ -7,7 +7,9 @@ adapters of `plait.expertparallel.adapter`:
     from the same per-expert checkpoint.
 
 Both train 3 AdamW steps (fp32) under EP 2 on 2 gloo ranks, each rank half the batch, against the
-model *as its author wrote it* (a loop over its experts) on the whole batch in this process:
+model *as its author wrote it* (a loop over its experts) on the whole batch in this process; so
+does (b) with torch's own `fully_shard` over the non-expert part (FSDP 2 x EP 2, the experts left
+to EP through `ignored_params`):
 losses within 1e-5, every gradient within 1e-4 of the reference gradient's norm (the parity
 matrix's tolerances), parameters within 1e-5, and `StackedExperts.unstack()` gives back the
 per-expert modules with the trained weights. A module that lacks what expert parallel needs is
@@ -19,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from plait.expertparallel import (
@@ -128,6 +131,7 @@ class TinyMoE(nn.Module):
 
 EXPERT_PATHS = [f"layers.{i}.moe.experts" for i in range(LAYERS)]
 ADAPTERS = {"StackedExperts": StackedExperts, "stacked [E, in, out]": GroupedSwiGLU}
+RUNS = [*ADAPTERS, "StackedExperts + fully_shard"]  # the adapter named first
 
 
 def _model(adapter=None):
@@ -159,16 +163,24 @@ def _train(model, rows, reduce_grads=None):
         if reduce_grads is not None:
             loss = reduce_grads(model, loss.detach())
         losses.append(loss.item())
-        grads.append({n: local(p.grad).clone() for n, p in model.named_parameters()})
+        grads.append({n: _whole(n, p.grad) for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()
-    return losses, grads, {n: local(p.detach()).clone() for n, p in model.named_parameters()}
+    return losses, grads, {n: _whole(n, p.detach()) for n, p in model.named_parameters()}
+
+
+def _whole(name, t):
+    # This rank's experts of an expert weight; an FSDP-sharded one gathered whole.
+    if ".experts." in name or not isinstance(t, DTensor):
+        return local(t).clone()
+    return t.full_tensor()
 
 
 def _sum_replicated_grads(model, loss):
     # Data parallel over the ep ranks for everything but the experts: each rank's gradient is its
-    # part of the global mean's, so sum. Expert shards already hold every rank's contribution
-    # (the combine's all-to-all brings it back in backward).
+    # part of the global mean's, so sum (FSDP's reduce-scatter did it for its own parameters).
+    # Expert shards already hold every rank's contribution (the combine's all-to-all brings it
+    # back in backward).
     for p in model.parameters():
         if not isinstance(p, DTensor):
             dist.all_reduce(p.grad)
@@ -180,20 +192,30 @@ def _ep_rank(rank, world_size):
     meshes = build_meshes(ParallelDims(dp_shard=world_size, ep=world_size, world_size=world_size))
     rows = slice(rank * BATCH // world_size, (rank + 1) * BATCH // world_size)
     out = {}
-    for adapter in ADAPTERS:
+    for run in RUNS:
+        adapter = run.split(" + ")[0]
         model = _model(adapter)
         dispatchers = apply_expert_parallel(model, meshes.ep, EXPERT_PATHS)
+        if run.endswith("fully_shard"):
+            experts = {p for path in EXPERT_PATHS for p in model.get_submodule(path).parameters()}
+            for unit in [*model.layers, model]:
+                fully_shard(unit, mesh=meshes.dp_shard_cp, ignored_params=experts)
+                # Each rank's loss is its part of the global mean: sum (SUM on the wire: gloo has
+                # no PREMUL_SUM).
+                unit.set_gradient_divide_factor(1.0)
+                unit.set_force_sum_reduction_for_comms(True)
         losses, grads, params = _train(model, rows, _sum_replicated_grads)
         experts = model.get_submodule(EXPERT_PATHS[0])
-        out[adapter] = dict(
+        out[run] = dict(
             losses=losses, grads=grads, params=params, syncs=[d.host_syncs for d in dispatchers.values()],
             local_experts=local(next(experts.parameters())).shape[0],
+            dtensors=sorted(n for n, p in model.named_parameters() if isinstance(p, DTensor)),
             unstacked=experts.unstack().state_dict() if adapter == "StackedExperts" else None,
         )
         try:  # the call-site contract: counts as a keyword are refused with one line
             experts(torch.zeros(2, D), num_tokens_per_expert_E=torch.tensor([2, 0, 0, 0]))
         except TypeError as e:
-            out[adapter]["keyword_error"] = str(e)
+            out[run]["keyword_error"] = str(e)
     return out
 
 
@@ -219,12 +241,15 @@ def runs():
     return reference, run_on_ranks(_ep_rank, 2, timeout=120)
 
 
-@pytest.mark.parametrize("adapter", list(ADAPTERS))
-def test_user_moe_under_ep2_trains_like_one_process(runs, adapter):
+@pytest.mark.parametrize("run", RUNS)
+def test_user_moe_under_ep2_trains_like_one_process(runs, run):
     (ref_losses, ref_grads, ref_params), ranks = runs
+    adapter = run.split(" + ")[0]
     for rank, result in enumerate(ranks):
-        got = result[adapter]
+        got = result[run]
         assert got["local_experts"] == E // 2
+        expected_dtensors = sorted(n for n in got["params"] if ".experts." in n or run.endswith("fully_shard"))
+        assert got["dtensors"] == expected_dtensors  # experts sharded by EP; the rest by FSDP, if asked
         assert got["syncs"] == [STEPS] * LAYERS  # the dispatch's one host sync per layer and step
         assert max(abs(a - b) for a, b in zip(got["losses"], ref_losses)) <= 1e-5, (got["losses"], ref_losses)
         for step in range(STEPS):
