@@ -336,12 +336,15 @@ def trace_pipeline_step(config, plan, meshes, device, shims):
         for stage in stages:
             for module in _fsdp_modules(stage.module):
                 module.reshard()
+        reduce_peak = max(tracker._peak_mem.values(), default=0)
+        reduce_parts = _storage_total(tracker.get_tracker_snapshot("peak"))
+        tracker._peak_mem = {}
         step_loss = torch.zeros((), device=device)
         dist.all_reduce(step_loss, group=meshes.pp.get_group())
         grads_bytes = _local_bytes(q.grad for q in pm.inner.parameters())
         trainer._update()
-        tail_peak = max(tracker._peak_mem.values(), default=0)
-        tail_where = tracker.peak_where
+        update_peak = max(tracker._peak_mem.values(), default=0)
+        update_parts = _storage_total(tracker.get_tracker_snapshot("peak"))
 
     optimizer_bytes = _local_bytes(v for s in optimizer.state.values() for v in s.values()
                                    if isinstance(v, torch.Tensor) and v.dim() > 0)
@@ -353,6 +356,13 @@ def trace_pipeline_step(config, plan, meshes, device, shims):
     # torch's stage keeps one receive buffer per micro-batch: activations into a non-first stage,
     # gradients into a non-last one (allocated at the first step, kept).
     buffers = n_mb * boundary_bytes * sum((not s.is_first) + (not s.is_last) for s in stages)
+    # After the last micro-batch: torch's REDUCE_GRAD (FSDP's reduce-scatter of the accumulated
+    # gradients), then the optimizer step; the state exists through the first from step 2 on.
+    reduce_peak += optimizer_bytes
+    reduce_parts["Optstate"] = reduce_parts.get("Optstate", 0) + optimizer_bytes
+    tail_peak = max(reduce_peak, update_peak)
+    tail_where = ("REDUCE_GRAD (the gradients' reduction after the last micro-batch)", "backward") \
+        if reduce_peak >= update_peak else ("the optimizer step", "optimizer")
     if pipelined_peak >= tail_peak:
         peak, where, phase = pipelined_peak, walk["where"] or f"stage {walk['stage']}", walk["phase"]
         parts = {k: v for k, v in base_parts.items() if k != "Total"}
@@ -364,7 +374,8 @@ def trace_pipeline_step(config, plan, meshes, device, shims):
         parts["Optstate"] = parts.get("Optstate", 0) + optimizer_bytes
     else:
         peak, (where, phase) = tail_peak, tail_where
-        parts = {k: v for k, v in _storage_total(tracker.get_tracker_snapshot("peak")).items() if k != "Total"}
+        parts = {k: v for k, v in (reduce_parts if reduce_peak >= update_peak else update_parts).items()
+                 if k != "Total"}
     parts["Pipeline buffers"] = buffers
     repeat = {MICRO: n_mb, **{f"unshard:{s.index}": unshards.get(s.index, 1) for s in stages}}
     collectives = {f"{axis}/{kind}": row for (axis, kind), row in counter.totals(repeat).items()}
