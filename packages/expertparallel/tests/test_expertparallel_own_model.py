@@ -315,10 +315,10 @@ class _OneArgument(_Contract):
 
 
 BAD = [
-    (lambda: nn.ModuleList(MLP() for _ in range(E)), "holds no parameters of its own in sub-modules (0.w1.weight, 0.w2.weight, 0.w3.weight...): expert "
+    (lambda: nn.ModuleList(MLP() for _ in range(E)), "holds no parameters of its own in sub-modules (0.w1.weight, 0.w2.weight, 0.w3.weight, ...): expert "
      "parallel shards only the weights a module holds itself, stacked [E, ...]; wrap per-expert modules in "
      "plait.expertparallel.StackedExperts(...)."),
-    (_WithChild, "holds parameters in sub-modules (proj.weight, proj.bias...)"),
+    (_WithChild, "holds parameters in sub-modules (proj.weight, proj.bias): expert parallel shards only"),
     (_WithBias, "parameter 'b' has shape [16], not the experts on dim 0 (4 from 'w')"),
     (_NoReorder, "has no permute_and_pad: set permute_and_pad = staticmethod(plait.expertparallel.permute_and_pad)"),
     (_OneArgument, "forward(x_ND) does not take (routed_input_ND, num_tokens_per_expert_E) positionally"),
@@ -357,3 +357,20 @@ def test_permute_and_pad_orders_expert_major_with_aligned_groups():
     assert permuted_P.tolist() == [0, 1, 3, 4, 5, -1, -1, -1, 6, -1, -1, -1, 2, 7, 8, -1, -1, -1, -1, -1]
     assert torch.equal(unpermute(x_padded_PD, permuted_P, 9), x_ND)
     assert (x_padded_PD[permuted_P < 0] == 0).all()
+
+
+def test_stacked_experts_run_any_expert_module_with_its_own_forward():
+    # Experts with biases and another activation: every parameter stacked, each expert's forward.
+    torch.manual_seed(0)
+    experts = nn.ModuleList(nn.Sequential(nn.Linear(D, H), nn.GELU(), nn.Linear(H, D)) for _ in range(3))
+    stacked = StackedExperts(experts)
+    assert {n: tuple(p.shape) for n, p in stacked.named_parameters()} == {
+        "0_weight": (3, H, D), "0_bias": (3, H), "2_weight": (3, D, H), "2_bias": (3, D)
+    }
+    counts = torch.tensor([2, 0, 3])
+    x_ND = torch.randn(7, D)  # 5 rows in groups, 2 rows of padding past them
+    y_ND = stacked(x_ND, counts)
+    expected = torch.cat([experts[0](x_ND[:2]), experts[2](x_ND[2:5]), torch.zeros(2, D)])
+    torch.testing.assert_close(y_ND, expected, rtol=0, atol=1e-6)
+    back = stacked.unstack()
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), experts.state_dict().values()))

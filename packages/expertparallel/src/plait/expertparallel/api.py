@@ -100,7 +100,8 @@ def _experts_module(model: nn.Module, path: str) -> nn.Module:
     nested = [name for name, _ in module.named_parameters() if "." in name]
     own = dict(module.named_parameters(recurse=False))
     if nested or not own:
-        held = f"{'no parameters of its own' if not own else 'parameters'} in sub-modules ({', '.join(nested[:3])}...)"
+        names = ", ".join(nested[:3]) + (", ..." if len(nested) > 3 else "")
+        held = f"{'no parameters of its own' if not own else 'parameters'} in sub-modules ({names})"
         raise ParallelConfigError(
             f"{what} holds {held if nested else 'no parameters'}: expert parallel shards only the weights a module "
             "holds itself, stacked [E, ...]; wrap per-expert modules in plait.expertparallel.StackedExperts(...)."
@@ -115,8 +116,8 @@ def _experts_module(model: nn.Module, path: str) -> nn.Module:
     for helper in ("permute_and_pad", "unpermute"):
         if not callable(getattr(module, helper, None)):
             raise ParallelConfigError(
-                f"{what} has no {helper}: set permute_and_pad = staticmethod(plait.expertparallel.permute_and_pad) "
-                "and unpermute likewise (the experts contract, docs/contracts.md)."
+                f"{what} has no {helper}: set {helper} = staticmethod(plait.expertparallel.{helper}) "
+                "(the experts contract, docs/contracts.md)."
             )
     try:
         inspect.signature(module.forward).bind(None, None)
