@@ -6,8 +6,9 @@ objects point to point), and a step of m micro-batches would trace m times the w
 - the stages are the trainer's (`parallelize` -> `parallelize_pipeline`) and the schedule is the
   trainer's (`build_trainer_pipeline`: torch's PipelineStage and schedule objects, which only
   compute their action lists when built);
-- each stage this rank holds runs one micro-batch (pipeline_microbatch_size rows) forward and
-  backward as torch's stage does: the first stage on tokens, the others on a received hidden
+- each stage this rank holds runs a micro-batch (pipeline_microbatch_size rows) forward and
+  backward as torch's stage does, twice (the first backward creates the stage's gradients, a later
+  one adds to them; the first one's collectives are counted): the first stage on tokens, the others on a received hidden
   state shaped like stage 0's traced output; the last computes the loss, the others backpropagate
   a ones-like output gradient through `backward_maybe_with_nosync` (FSDP's no-sync flags), then
   `perform_reduce_grad` and the optimizer step once;
@@ -15,12 +16,9 @@ objects point to point), and a step of m micro-batches would trace m times the w
   its first action (UNSHARD) and reduce-scatters once after the last (REDUCE_GRAD): the gathers are
   traced once per UNSHARD of the lowered order, the micro-batch's own collectives (TP, CP, EP) are
   repeated m times;
-- memory: rank 0's compute order from torch (`schedule.pipeline_order[0]`) is walked with each
-  stage's traced numbers: a forward adds the micro-batch's saved activations, a full backward (B)
-  or weight backward (W) releases them (an input backward, I, keeps them for W), so the activations
-  in flight are counted from the schedule, not from a formula;
-- point to point: SEND_F / RECV_F / SEND_B / RECV_B actions of the lowered order (single-stage
-  schedules: from the stage's position), each one boundary tensor (stage 0's output, local shape).
+- memory, point to point, gathers: read from torch's action order for rank 0 with each stage's
+  traced numbers (plan/pipeline_order.py), so the micro-batches in flight are counted from the
+  schedule, not from a formula; each transfer is one boundary tensor (stage 0's output, local shape).
 """
 
 import contextlib
@@ -35,18 +33,7 @@ from torch.distributed.tensor import DTensor
 from plait.models.documents import row_segments
 
 from ..validate import pipeline_microbatches
-
-# Bubble fraction of the ideal time (stated with the plan): p stages (pp), v stages per rank, m micro-batches.
-BUBBLE = {
-    "GPipe": ("(p-1)/(m+p-1)", lambda p, v, m: (p - 1) / (m + p - 1)),
-    "1F1B": ("(p-1)/(m+p-1)", lambda p, v, m: (p - 1) / (m + p - 1)),
-    "LoopedBFS": ("(p-1)/(m+p-1)", lambda p, v, m: (p - 1) / (m + p - 1)),
-    "Interleaved1F1B": ("(p-1)/(v*m+p-1)", lambda p, v, m: (p - 1) / (v * m + p - 1)),
-    # Zero-bubble schedules fill the bubble with weight gradients; the interleaved figure is their bound.
-    "InterleavedZeroBubble": ("<= (p-1)/(v*m+p-1)", lambda p, v, m: (p - 1) / (v * m + p - 1)),
-    "ZBVZeroBubble": ("<= (p-1)/(v*m+p-1)", lambda p, v, m: (p - 1) / (v * m + p - 1)),
-    "DualPipeV": ("<= (p-1)/(v*m+p-1)", lambda p, v, m: (p - 1) / (v * m + p - 1)),
-}
+from .pipeline_order import BUBBLE, StageMemory, p2p_actions, unshard_counts, walk_memory
 
 
 class _SplitOutsideFakeMode:
@@ -103,111 +90,6 @@ def _received(spec: dict, device):
         return DTensor.from_local(buffer, spec["mesh"], spec["placements"], shape=spec["global_shape"],
                                   stride=spec["stride"], run_check=False).requires_grad_(True)
     return buffer.requires_grad_(True)
-
-
-def p2p_actions(schedule, stages, rank: int = 0) -> dict:
-    """SEND_F / RECV_F / SEND_B / RECV_B of `rank` per step: torch's lowered order for runtime
-    schedules; for single-stage ones (GPipe, 1F1B) every F sends unless last and receives unless
-    first, every B the mirror."""
-    counts = {"SEND_F": 0, "RECV_F": 0, "SEND_B": 0, "RECV_B": 0}
-    lowered = getattr(schedule, "pipeline_order_with_comms", None)
-    if lowered:
-        for action in lowered[rank]:
-            name = action.computation_type.value if hasattr(action.computation_type, "value") else str(
-                action.computation_type)
-            if name in counts:
-                counts[name] += 1
-        return counts
-    stage = stages[0]
-    for action in schedule.pipeline_order[rank]:
-        kind = _kind(action)
-        if kind == "F":
-            counts["SEND_F"] += not stage.is_last
-            counts["RECV_F"] += not stage.is_first
-        elif kind in ("B", "I"):
-            counts["SEND_B"] += not stage.is_first
-            counts["RECV_B"] += not stage.is_last
-    return counts
-
-
-def unshard_counts(schedule, rank: int = 0) -> dict[int, int]:
-    """UNSHARD actions per stage in torch's lowered order (1 per stage unless a rank holds more
-    stages than torch keeps gathered); single-stage schedules gather once, in the first forward."""
-    lowered = getattr(schedule, "pipeline_order_with_comms", None)
-    counts: dict[int, int] = {}
-    if not lowered:
-        return counts
-    for action in lowered[rank]:
-        if _kind(action) == "UNSHARD":
-            counts[action.stage_index] = counts.get(action.stage_index, 0) + 1
-    return counts
-
-
-def _kind(action) -> str | None:
-    if action is None:
-        return None
-    ct = action.computation_type
-    return {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}.get(
-        getattr(ct, "name", ""), getattr(ct, "name", str(ct)))
-
-
-def _compute_actions(order):
-    """Rank's compute actions in order, overlapped F+B pairs unfolded."""
-    for action in order:
-        if action is None:
-            continue
-        if action.sub_actions:
-            yield from action.sub_actions
-        elif _kind(action) in ("F", "B", "I", "W"):
-            yield action
-
-
-@dataclasses.dataclass
-class StageMemory:
-    """One stage's micro-batch, in bytes relative to the memory before its forward."""
-
-    saved: int = 0  # held from the end of its forward to its backward (activations, the stage output)
-    forward_peak: int = 0
-    backward_peak: int = 0  # includes `saved` and the gradients it creates
-    grads: int = 0  # still held after its first backward (the accumulated, unreduced gradients)
-    later_forward_peak: int = 0  # the same once the stage holds gradients (these not included)
-    later_backward_peak: int = 0
-    forward_where: str = ""
-    backward_where: str = ""
-
-
-def walk_memory(order, stage_memory: dict[int, StageMemory]) -> dict:
-    """Walk `order` (torch's compute actions of one rank): the highest memory above the stages'
-    common base, where it is reached and the micro-batches in flight (forwarded, weights not yet
-    back-propagated) at most."""
-    held: dict[tuple[int, int], int] = {}
-    grads: dict[int, int] = {}
-    best = {"bytes": 0, "stage": None, "phase": "", "where": "", "grads": 0, "in_flight_at_peak": 0}
-    most = 0
-    for action in _compute_actions(order):
-        s, mb, kind = action.stage_index, action.microbatch_index, _kind(action)
-        mem = stage_memory[s]
-        others = sum(v for k, v in held.items() if k != (s, mb)) + sum(grads.values())
-        if kind == "F":
-            here = others + (mem.later_forward_peak if s in grads else mem.forward_peak)
-            phase, where = "forward", mem.forward_where
-            held[(s, mb)] = mem.saved
-            most = max(most, len(held))
-        elif kind in ("B", "I"):
-            here = others + (mem.later_backward_peak if s in grads else mem.backward_peak)
-            phase, where = "backward", mem.backward_where
-            if kind == "B":
-                held.pop((s, mb), None)
-                grads[s] = mem.grads
-        else:  # W: the saved inputs of the weight gradients go
-            held.pop((s, mb), None)
-            grads[s] = mem.grads
-            here, phase, where = sum(held.values()) + sum(grads.values()), "backward", mem.backward_where
-        if here > best["bytes"]:
-            best = {"bytes": here, "stage": s, "phase": phase, "where": where, "grads": sum(grads.values()),
-                    "in_flight_at_peak": len(held) if kind == "F" else len(held) + (kind == "B")}
-    best["max_in_flight"] = most
-    return best
 
 
 def trace_pipeline_step(config, plan, meshes, device, shims):
