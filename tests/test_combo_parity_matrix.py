@@ -206,7 +206,9 @@ LAYOUTS = [
     Layout("TP 2 x CP 2 Ulysses, document mask", 4, {"tp": 2, "cp": 2, **CP1, "cp_method": "ulysses"},
            model_args=DOCS),
     Layout("EP 4", 4, {"ep": 4}, models=DEEPSEEK),
-    Layout("FSDP 4 x EP 2 (expert FSDP 2)", 4, {"ep": 2}, models=DEEPSEEK),
+    # Selective AC around a nested FSDP unit (the experts over efsdp 2): the 16B config's mode.
+    Layout("FSDP 4 x EP 2 (expert FSDP 2), selective AC", 4, {"ep": 2}, {"activation_checkpoint": "selective"},
+           models=DEEPSEEK),
     Layout("HSDP 2x2 x EP 2", 4, {"dp_replicate": 2, "ep": 2}, models=DEEPSEEK),
     Layout("FSDP 2 x TP 2 x EP 2 (etp 1)", 4, {"tp": 2, "ep": 2}, models=DEEPSEEK),
     Layout("FSDP 2 x TP 2 x EP 2 x ETP 2", 4, {"tp": 2, "ep": 2, "etp": 2}, models=DEEPSEEK),

@@ -148,13 +148,12 @@ above the parameters, buffers and optimizer state. The
 
 
 def test_deepseek_v3_16B_plans_at_64_ranks(tmp_path):
-    """A shipped config at its full world size (FSDP 64 x EP 8), through the command line. (Full AC:
-    the planner cannot trace selective AC around the dropless dispatch yet; issue 24.)"""
+    """A shipped config at its full world size (FSDP 64 x EP 8, experts FSDP over efsdp 8), as
+    shipped: selective AC around the dropless dispatch and the nested experts unit."""
     out = tmp_path / "plan.json"
     result = subprocess.run(
         [sys.executable, "-m", "plait.trainer.plan.cli", "--config", "deepseek_v3_16B.toml", "--plan.world_size",
-         "64", "--model.tokenizer_path", "", "--job.dump_folder", str(tmp_path), "--plan.json", str(out),
-         "--training.activation_checkpoint", "full"],
+         "64", "--model.tokenizer_path", "", "--job.dump_folder", str(tmp_path), "--plan.json", str(out)],
         capture_output=True, text=True, env={**cli_env(), "OMP_NUM_THREADS": "1"}, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]

@@ -35,6 +35,19 @@ if hasattr(torch.ops.aten, "_grouped_mm"):
     _SAVE_OPS.add(torch.ops.aten._grouped_mm.default)
 
 
+# Profiler ranges are not computation, but SAC counts every op it sees and asks the recompute for
+# the same sequence: FSDP opens its ranges (`record_function("FSDP::pre_forward")`, ...) a different
+# number of times when a nested FSDP unit (experts sharded over efsdp > 1) runs in the forward and
+# when it runs in the recompute, and the backward fails with "_record_function_enter_new
+# invocation index N ... not found in storage". torch ignores a few such ops already
+# (`SAC_IGNORED_OPS`: detach, device); the profiler's join them.
+for _name, _overload in (("_record_function_enter_new", "default"), ("_record_function_enter", "default"),
+                         ("_record_function_exit", "_RecordFunction")):
+    _packet = getattr(torch.ops.profiler, _name, None)
+    if _packet is not None and hasattr(_packet, _overload):
+        torch.utils.checkpoint.SAC_IGNORED_OPS.add(getattr(_packet, _overload))
+
+
 def _selective_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if func in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
