@@ -1,6 +1,6 @@
 """Pipeline bubble and memory per stage on CPU ranks (gloo): idle fraction per schedule next to theory.
 
-    python benchmarks/bench_pipeline.py                              # PP 2 and 4, the full table (~8 min on 2 idle cores)
+    python benchmarks/bench_pipeline.py                              # PP 2 and 4, the full table (4 min on 2 idle cores)
     python benchmarks/bench_pipeline.py --pp 2 --microbatches 4 --steps 2   # smoke run, well under a minute
     python benchmarks/bench_pipeline.py --microbatches 2=4,8,16 4=8,16 --results benchmarks/RESULTS.md
 
@@ -24,14 +24,16 @@ What is measured, per rank (= per pp stage; interleaved and V schedules hold 2 s
   those calls over their wall time, all ranks together: 1.00 when a rank had a core whenever it
   computed; lower when ranks or other processes competed for the cores (compute stretched, so
   busy reads high and idle low: read such rows with that in mind).
-- wall: the rank's `Pipeline.step` after a barrier; idle = 1 - busy / wall, the median over the
-  timed steps. Gloo's waits block
+- step: every rank enters `Pipeline.step` after a barrier; the step takes the slowest rank's wall
+  time. idle = 1 - busy / step, the median over the timed steps: a rank that returns early (the
+  last stage, before the first stage's last backward) idles until the next step, as in training,
+  where the gradient clip over the stages waits for all of them. Gloo's waits block
   (the waiting rank leaves the core), so a rank's idle time is real idle time. With more ranks than
   cores (PP 4 on 2 cores), ranks that could compute together take turns: the compute calls stretch
   (busy grows, idle shrinks) and the step is longer; those rows are marked `pp*` and say less
   about the schedule (the same holds when other processes load the cores: the run prints the load).
-- step: the slowest rank's wall time, median over the timed steps; "vs 1F1B" is that over 1F1B's at
-  the same (pp, m), measured in the same invocation.
+- "step s": the step's median over the timed steps; "vs 1F1B" is that over 1F1B's at the same
+  (pp, m), measured in the same invocation.
 - peak: the most bytes of tensor storage alive at once during one extra step, counted over every
   storage the step allocates (a dispatch mode sees each op's outputs; a storage counts until it is
   freed): activations kept for backward, gradients and temporaries. Memory allocated before the
@@ -277,8 +279,8 @@ def main():
                      f"{', '.join(f'{g:.1f}' for g in grads)} MiB for 1-stage schedules.")
         step_s = {c: statistics.median(max(ws) for ws in zip(*(r[c]["wall"] for r in results))) for c in cases}
         for s, m in cases:
-            idle = [statistics.median(1 - b / w for b, w in zip(r[(s, m)]["busy"], r[(s, m)]["wall"]))
-                    for r in results]
+            makespans = [max(ws) for ws in zip(*(r[(s, m)]["wall"] for r in results))]
+            idle = [statistics.median(1 - b / w for b, w in zip(r[(s, m)]["busy"], makespans)) for r in results]
             busy = [statistics.median(r[(s, m)]["busy"]) for r in results]
             share = sum(sum(r[(s, m)]["cpu"]) for r in results) / sum(sum(r[(s, m)]["busy"]) for r in results)
             uneven = " / ".join(f"{i:.2f}" for i in uneven_theory(busy, m)) if SCHEDULES[s] == 1 else "-"
