@@ -83,13 +83,14 @@ def problems(report: dict) -> list[str]:
     return found
 
 
-def write_readme(readme: Path, table: str) -> None:
+def write_readme(readme: Path, table: str, start: str = START, end: str = END) -> None:
+    """Replace what stands between the `start` and `end` markers of `readme` with `table`."""
     text = readme.read_text()
-    if START not in text or END not in text:
-        raise SystemExit(f"{readme}: no {START} ... {END} markers to put the table between.")
-    before, rest = text.split(START, 1)
-    after = rest.split(END, 1)[1]
-    readme.write_text(f"{before}{START}\n{table}\n{END}{after}")
+    if start not in text or end not in text:
+        raise SystemExit(f"{readme}: no {start} ... {end} markers to put the table between.")
+    before, rest = text.split(start, 1)
+    after = rest.split(end, 1)[1]
+    readme.write_text(f"{before}{start}\n{table}\n{end}{after}")
 
 
 def main(argv: list[str] | None = None) -> int:

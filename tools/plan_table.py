@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from parity_table import write_readme  # tools/ is on sys.path when this script runs
+
 ROOT = Path(__file__).resolve().parent.parent
 START, END = "<!-- plan-table:start -->", "<!-- plan-table:end -->"
 GIB = 2**30
@@ -121,15 +123,6 @@ def render(rows: list[tuple[str, int, dict]], commit: str) -> str:
     return "\n".join(lines)
 
 
-def write_readme(readme: Path, table: str) -> None:
-    text = readme.read_text()
-    if START not in text or END not in text:
-        raise SystemExit(f"{readme}: no {START} ... {END} markers to put the table between.")
-    before, rest = text.split(START, 1)
-    after = rest.split(END, 1)[1]
-    readme.write_text(f"{before}{START}\n{table}\n{END}{after}")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--readme", type=Path, help="rewrite the table between this file's markers")
@@ -147,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     table = render(rows, commit)
     print(table)
     if args.readme and not args.only:
-        write_readme(args.readme, table)
+        write_readme(args.readme, table, START, END)
         print(f"table written to {args.readme}", file=sys.stderr)
     return 0
 
