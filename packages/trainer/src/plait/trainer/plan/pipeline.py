@@ -23,7 +23,6 @@ objects point to point), and a step of m micro-batches would trace m times the w
 
 import contextlib
 import dataclasses
-import io
 
 import torch
 import torch.distributed as dist
@@ -97,25 +96,23 @@ def trace_pipeline_step(config, plan, meshes, device, shims):
     FakeTensorMode (plan/trace.py). Returns a StepTrace with its `pipeline` facts."""
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY
 
-    from ..lr_scheduler import build_lr_scheduler
-    from ..optimizer import build_optimizer
-    from ..parallelize import parallelize
     from ..pipeline import build_trainer_pipeline
     from .collectives import CollectiveCounter, axis_names
-    from .trace import MICRO, STEP, PeakTracker, StepTrace, _local_bytes, _storage_total, micro_batch, trainer_for_step
+    from .trace import (
+        MICRO,
+        STEP,
+        PeakTracker,
+        StepTrace,
+        _local_bytes,
+        _storage_total,
+        build_traced_trainer,
+        micro_batch,
+    )
 
     t, p = config.training, config.parallelism
     plan = traceable_plan(plan)
-    shims.initialising = True
-    with contextlib.redirect_stdout(io.StringIO()):
-        pm = parallelize(config, plan, meshes, device)
-    shims.initialising = False
-    for dispatcher in (pm.dispatchers or {}).values():
-        if hasattr(dispatcher, "ep"):
-            shims.balance(dispatcher)
-    optimizer = build_optimizer(pm.inner, config.optimizer, device)
-    scheduler = build_lr_scheduler(optimizer, t.steps, config.lr_scheduler)
-    trainer = trainer_for_step(config, plan, meshes, pm, optimizer, scheduler, device)
+    trainer = build_traced_trainer(config, plan, meshes, device, shims)
+    pm, optimizer = trainer.pm, trainer.optimizer
     pipeline = build_trainer_pipeline(config, plan, meshes, pm, trainer.loss_fn, trainer.moe, device)
     trainer.pipeline = pipeline
     schedule, n_mb = pipeline.schedule, pipeline_microbatches(config)

@@ -263,15 +263,32 @@ def fake_world(world_size: int):
         dist.destroy_process_group()
 
 
+def build_traced_trainer(config, plan, meshes, device, shims):
+    """The trainer's own build (parallelize, optimizer, scheduler) inside the caller's fake world
+    and FakeTensorMode, as a Trainer for one step (trainer_for_step)."""
+    from ..lr_scheduler import build_lr_scheduler
+    from ..optimizer import build_optimizer
+    from ..parallelize import parallelize
+
+    # Full or sharded init as the run would; parallelize warns that sharded init on CPU draws
+    # equal numbers per shard: true, and irrelevant here.
+    shims.initialising = True
+    with contextlib.redirect_stdout(io.StringIO()):
+        pm = parallelize(config, plan, meshes, device)
+    shims.initialising = False
+    for dispatcher in (pm.dispatchers or {}).values():
+        if hasattr(dispatcher, "ep"):
+            shims.balance(dispatcher)
+    optimizer = build_optimizer(pm.inner, config.optimizer, device)
+    scheduler = build_lr_scheduler(optimizer, config.training.steps, config.lr_scheduler)
+    return trainer_for_step(config, plan, meshes, pm, optimizer, scheduler, device)
+
+
 def trace_step(config, plan) -> StepTrace:
     """Rank 0's step of the validated `plan` under a fake world of plan.dims.world_size ranks."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from plait.mesh import build_meshes
-
-    from ..lr_scheduler import build_lr_scheduler
-    from ..optimizer import build_optimizer
-    from ..parallelize import parallelize
 
     device = torch.device("cpu")
     with fake_world(plan.dims.world_size):
@@ -284,18 +301,7 @@ def trace_step(config, plan) -> StepTrace:
                 return trace_pipeline_step(config, plan, meshes, device, shims)
         batch = micro_batch(config)
         with FakeTensorMode(allow_non_fake_inputs=True), shims:
-            # The trainer's own build, full or sharded init as the run would; parallelize warns
-            # that sharded init on CPU draws equal numbers per shard: true, and irrelevant here.
-            shims.initialising = True
-            with contextlib.redirect_stdout(io.StringIO()):
-                pm = parallelize(config, plan, meshes, device)
-            shims.initialising = False
-            for dispatcher in (pm.dispatchers or {}).values():
-                if hasattr(dispatcher, "ep"):
-                    shims.balance(dispatcher)
-            optimizer = build_optimizer(pm.inner, config.optimizer, device)
-            scheduler = build_lr_scheduler(optimizer, config.training.steps, config.lr_scheduler)
-            trainer = trainer_for_step(config, plan, meshes, pm, optimizer, scheduler, device)
+            trainer = build_traced_trainer(config, plan, meshes, device, shims)
             traced = measure_step(trainer, [batch], config.training.gradient_accumulation_steps)
     traced.host_reads = shims.reads * config.training.gradient_accumulation_steps
     return traced
