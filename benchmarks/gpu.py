@@ -2,7 +2,11 @@
 torchtitan 0.3.0 where it is installed), bf16, torch.compile, selective activation checkpointing.
 
     python benchmarks/gpu.py [--steps 30] [--warmup 10] [--only llama3-1B,llama3-8B,deepseek-16B]
-        [--layers-8b 8] [--layers-1b 16] [--layers-16b 4] [--no-results]
+        [--layers-8b 8] [--layers-1b 16] [--layers-16b 4] [--modes compile] [--no-results]
+
+`--modes eager,compile,cudagraphs` runs plait once per mode (cudagraphs: training.compile_mode =
+reduce-overhead, each compiled block replayed as a CUDA graph; docs/cuda_graphs.md), torchtitan
+once, compiled.
 
 Configs (the shipped flavors, depth reduced so that one GPU holds model, gradients and AdamW):
   llama3-1B     Llama 3.2 1B, all 16 layers, seq 8192, batch 1
@@ -50,17 +54,24 @@ CONFIGS = {
 }
 
 
-def run_plait(name: str, args, workdir: Path) -> dict:
+MODES = {
+    "eager": ["--training.compile", "false"],
+    "compile": ["--training.compile", "true"],
+    "cudagraphs": ["--training.compile", "true", "--training.compile_mode", "reduce-overhead"],
+}
+
+
+def run_plait(name: str, args, workdir: Path, mode: str = "compile") -> dict:
     config_file, layers_opt, seq, batch, _ = CONFIGS[name]
-    dump = workdir / name
+    dump = workdir / f"{name}-{mode}"
     cmd = [sys.executable, "-m", "plait.trainer", "--config", config_file, "--job.dump_folder", str(dump),
            "--model.tokenizer_path", "", "--model.n_layers", str(getattr(args, layers_opt)),
            "--training.seq_len", str(seq), "--training.local_batch_size", str(batch),
-           "--training.dtype", "bfloat16", "--training.compile", "true",
+           "--training.dtype", "bfloat16", *MODES[mode],
            "--training.activation_checkpoint", "selective", "--training.steps", str(args.steps),
            "--metrics.log_freq", "1", "--metrics.tensorboard", "false", "--checkpoint.enable", "false",
            "--data.val_interval", "0", "--parallelism.ep", "1"]  # fmt: skip  (one GPU: no expert parallel)
-    log = workdir / f"{name}.log"
+    log = workdir / f"{name}-{mode}.log"
     print(f"[gpu] {name}: {' '.join(cmd)}", flush=True)
     with open(log, "w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1")).returncode
@@ -128,6 +139,7 @@ def main() -> None:
     parser.add_argument("--layers-1b", type=int, default=16)
     parser.add_argument("--layers-8b", type=int, default=8)
     parser.add_argument("--layers-16b", type=int, default=4)
+    parser.add_argument("--modes", default="compile", help=f"comma-separated plait modes of {','.join(MODES)}")
     parser.add_argument("--no-results", action="store_true")
     args = parser.parse_args()
     import torch
@@ -139,8 +151,9 @@ def main() -> None:
     lines = ["| config | framework | tokens/s | MFU | peak GiB | layers / note |", "|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory(prefix="plait-gpu-") as tmp:
         for name in names:
-            lines.append(_row(name, "plait", run_plait(name, args, Path(tmp))))
-            print(lines[-1], flush=True)
+            for mode in args.modes.split(","):
+                lines.append(_row(name, f"plait {mode}", run_plait(name, args, Path(tmp), mode)))
+                print(lines[-1], flush=True)
             lines.append(_row(name, "torchtitan 0.3.0", run_torchtitan(name, args, Path(tmp))))
             print(lines[-1], flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, cwd=REPO)

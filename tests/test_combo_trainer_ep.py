@@ -48,6 +48,24 @@ def test_bad_expert_parallel_layouts_fail_before_any_collective(parallelism, wor
         validate(config, world_size=world)
 
 
+@pytest.mark.parametrize(
+    "parallelism, message",
+    [
+        ({"dp_shard": 1, "tp": 2, "ep": 2}, "dropless expert parallel reads its split sizes on the host"),
+        ({"dp_shard": 2, "ep": 2, "expert_capacity_factor": 8.0}, "FSDP / HSDP free and re-allocate"),
+        ({"dp_shard": 1, "tp": 2, "ep": 2, "expert_capacity_factor": 8.0}, None),  # static, unsharded: accepted
+    ],
+)
+def test_cuda_graph_mode_accepts_only_what_a_graph_can_replay(parallelism, message):
+    training = {"seq_len": 64, "compile": True, "compile_mode": "reduce-overhead"}
+    config = build_config({"model": {"name": "deepseek_v3"}, "parallelism": parallelism, "training": training})
+    if message is None:
+        assert validate(config, world_size=2).dims.ep == 2
+        return
+    with pytest.raises(ConfigError, match=message):
+        validate(config, world_size=2)
+
+
 def test_shipped_deepseek_v3_16b_config_validates_with_expert_parallel():
     import dataclasses
 

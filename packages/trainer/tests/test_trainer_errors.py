@@ -54,6 +54,11 @@ def test_cli_errors_in_a_subprocess(args, message):
         (["--optimizer.betas", "0.9,-inf"], "optimizer.betas = '-inf': must be a finite number"),
         (["--job.dump_folder", ""], "job.dump_folder = '' is empty"),
         (["--checkpoint.enable", "true", "--checkpoint.folder", ""], 'checkpoint.folder = "": name a folder'),
+        (["--training.compile_mode", "reduce-overhead"], "applies to compiled blocks: set training.compile = true"),
+        (
+            ["--nproc-per-node", "2", "--training.compile", "true", "--training.compile_mode", "reduce-overhead"],
+            "FSDP / HSDP free and re-allocate the unsharded parameters",
+        ),
     ],
 )
 def test_config_errors(args, message, capsys):

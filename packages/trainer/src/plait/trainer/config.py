@@ -108,6 +108,12 @@ class TrainingConfig:
     """torch.use_deterministic_algorithms(True) and deterministic kernels: bitwise-repeatable runs."""
     compile: bool = False
     """torch.compile each block (needs a C++ compiler on CPU, triton on GPU)."""
+    compile_mode: Literal["default", "reduce-overhead"] = "default"
+    """torch.compile's mode for the blocks. reduce-overhead: CUDA graphs (torch's cudagraph trees)
+    replay each compiled block's kernels from one launch on GPU. Needs a block with no host sync
+    and no data-dependent shape (dense models; MoE in expert capacity mode, not dropless expert
+    parallel) and parameters at fixed addresses (no FSDP / HSDP: they free and re-allocate the
+    unsharded parameters every step). On CPU it is the default mode (no CUDA graphs)."""
     activation_checkpoint: Literal["none", "full", "selective"] = "none"
     """Recompute activations in backward. full: keep only block inputs. selective: op-level, keep
     matmul and attention outputs, recompute the rest (norms, activations, RoPE)."""

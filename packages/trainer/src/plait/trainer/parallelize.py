@@ -117,8 +117,9 @@ def _parallelize(config: Config, plan: RunPlan, meshes: Meshes, device: torch.de
         model, blocks, config.training.activation_checkpoint, config.training.activation_checkpoint_every
     )
     if config.training.compile:
+        mode = None if config.training.compile_mode == "default" else config.training.compile_mode
         for path in blocks:
-            model.get_submodule(path).compile()
+            model.get_submodule(path).compile(mode=mode)
 
     dp_config = data_parallel_config(config)
     dp_mode = data_parallel_mode(meshes.dims, dp_config)

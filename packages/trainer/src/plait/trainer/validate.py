@@ -427,9 +427,30 @@ def validate(config: Config, world_size: int | None = None, check_memory: bool =
 
     if config.training.compile and not _has_compiler():
         raise ConfigError("training.compile = true needs a C++ compiler on CPU (or triton on GPU); none was found.")
+    if config.training.compile_mode != "default":
+        _validate_cuda_graphs(config, dims)
     if check_memory:
         _check_memory(config, dims, model, info, world_size)
     return RunPlan(dims, model_args, model, info, tokenizer, full_init, parallel_modules)
+
+
+def _validate_cuda_graphs(config: Config, dims: ParallelDims) -> None:
+    """What CUDA graph capture of the compiled blocks needs (docs/cuda_graphs.md)."""
+    mode = config.training.compile_mode
+    if not config.training.compile:
+        raise ConfigError(f"training.compile_mode = {mode} applies to compiled blocks: set training.compile = true.")
+    if dims.ep > 1 and config.parallelism.expert_capacity_factor == 0:
+        raise ConfigError(
+            f"training.compile_mode = {mode}: dropless expert parallel reads its split sizes on the host and "
+            "its shapes follow the routing, so a graph would be re-recorded for every token count; set "
+            "parallelism.expert_capacity_factor > 0 (static shapes, no host sync) or compile_mode = default."
+        )
+    if dims.dp_shard * dims.cp > 1 or dims.efsdp > 1:
+        raise ConfigError(
+            f"training.compile_mode = {mode}: FSDP / HSDP free and re-allocate the unsharded parameters every "
+            "step, which a CUDA graph cannot follow; use dp_shard = cp = 1 (replicate, DDP, TP, expert capacity "
+            "mode without expert FSDP) or compile_mode = default."
+        )
 
 
 def _check_memory(config: Config, dims: ParallelDims, model: nn.Module, info: dict, world_size: int) -> None:
