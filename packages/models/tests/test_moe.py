@@ -63,13 +63,13 @@ def test_grouped_mm_under_autocast_computes_in_the_autocast_dtype():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_mm_experts_compile(dtype):
-    """torch.compile of the experts: bf16 in the graph; fp32 (which torch's fake-tensor rule for
-    grouped_mm refuses) runs the CPU kernel eagerly between graphs. Same values either way."""
+    """torch.compile of the experts, one graph in both dtypes: bf16 through torch._grouped_mm, fp32
+    (which torch's fake-tensor rule for grouped_mm refuses) through plait::grouped_mm."""
     counts = torch.tensor([5, 0, 9, 1, 0, 17])
     x = torch.randn(int(counts.sum()), DIM, dtype=dtype)
     experts = _experts(True).to(dtype)
     y_ref, gx_ref, gw_ref = _run(experts, x, counts)
-    compiled = torch.compile(experts)
+    compiled = torch.compile(experts, fullgraph=True)
     y, gx, gw = _run(compiled, x, counts)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(y, y_ref, atol=tol * float(y_ref.abs().max()), rtol=tol)
@@ -256,3 +256,25 @@ def test_sequence_aux_loss_split_over_sequence_parts_is_exact():
     torch.testing.assert_close(mean, whole.detach(), rtol=1e-6, atol=1e-7)
     mean.backward()
     torch.testing.assert_close(moe.router.gate.weight.grad, expected_grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_shared_experts_run_before_the_routed_output_is_first_used(deterministic):
+    # Expert parallel's combine hands back its all-to-all's output un-waited (an
+    # AsyncCollectiveTensor waits at first use): the shared experts must run before that use to
+    # overlap with it. Stand in for the collective with an AsyncCollectiveTensor of the output.
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    moe = _moe()
+    outputs, seen = [], []
+    moe.experts.register_forward_hook(lambda m, args, y: outputs.append(AsyncCollectiveTensor(y)) or outputs[-1])
+    moe.shared_experts.register_forward_pre_hook(lambda m, args: seen.append(outputs[-1].completed))
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        x = torch.randn(2, 5, DIM)
+        y = moe(x)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert seen == [False] and outputs[-1].completed  # not waited when the shared experts start; used after
+    torch.testing.assert_close(y, _moe()(x))  # the wrapper changes nothing
