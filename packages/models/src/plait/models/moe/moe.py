@@ -79,40 +79,48 @@ class MoE(nn.Module):
         # Permute: N = T*K (token, choice) pairs sorted by expert. Stable, so within an expert
         # tokens keep sequence order and results do not depend on the sort implementation.
         sorted_pairs_N = torch.argsort(selected_experts_TK.flatten(), stable=True)
-        if torch.are_deterministic_algorithms_enabled():  # training.deterministic
-            out_TD = self._route_deterministic(x_TD, top_scores_TK, sorted_pairs_N, num_tokens_per_expert_E)
+        deterministic = torch.are_deterministic_algorithms_enabled()  # training.deterministic
+        if deterministic:
+            # Where each (token, choice) pair sits in the sorted order: the inverse permutation.
+            pair_rank_N = torch.empty_like(sorted_pairs_N).scatter_(
+                0, sorted_pairs_N, torch.arange(sorted_pairs_N.numel(), device=x_TD.device)
+            )
+            routed_input_ND = _GatherTokens.apply(x_TD, sorted_pairs_N, pair_rank_N, K)
         else:
             token_ids_N = sorted_pairs_N // K
             top_scores_N = top_scores_TK.flatten()[sorted_pairs_N]
             routed_input_ND = x_TD[token_ids_N]
-            # Experts: [N, D] -> [N, D].
-            routed_output_ND = self.experts(routed_input_ND, num_tokens_per_expert_E)
+        # Experts: [N, D] -> [N, D].
+        routed_output_ND = self.experts(routed_input_ND, num_tokens_per_expert_E)
+        # The shared experts need nothing routed, so they run before the routed output is first
+        # used: whatever is still in flight for it (expert parallel's combine all-to-all, waited on
+        # at first use) overlaps with them. In one process the order changes nothing.
+        shared_TD = self.shared_experts(x_TD) if self.shared_experts is not None else None
+        if deterministic:
+            out_TD = self._combine_deterministic(
+                routed_output_ND, top_scores_TK, sorted_pairs_N, pair_rank_N, x_TD.dtype
+            )
+        else:
             # Unpermute: weight in fp32, then sum each token's K outputs back into its row. (On
             # CUDA scatter_add's float atomics make the sum order vary from run to run.)
             routed_output_ND = (routed_output_ND.float() * top_scores_N[:, None]).to(x_TD.dtype)
             out_TD = torch.zeros_like(x_TD).scatter_add_(0, token_ids_N[:, None].expand(-1, D), routed_output_ND)
 
-        if self.shared_experts is not None:
-            out_TD = out_TD + self.shared_experts(x_TD)
+        if shared_TD is not None:
+            out_TD = out_TD + shared_TD
         return out_TD.view(B, S, D)
 
-    def _route_deterministic(self, x_TD, top_scores_TK, sorted_pairs_N, num_tokens_per_expert_E):
-        """Permute, experts and combine with no float accumulation whose order can vary: every
-        gather is a permutation or its inverse, and each token's K outputs are summed side by side
-        (token-major, gather + sum over K) instead of scatter-added; so is the token gather's
-        gradient. Measured on CPU (T 4096, K 4, D 512, one thread) 1.2-1.3x the scatter_add form's
-        time for permute + combine alone, hence only when deterministic algorithms are asked."""
-        T, D = x_TD.shape
-        K = self.router.top_k
-        # Where each (token, choice) pair sits in the sorted order: the inverse permutation.
-        pair_rank_N = torch.empty_like(sorted_pairs_N).scatter_(
-            0, sorted_pairs_N, torch.arange(sorted_pairs_N.numel(), device=x_TD.device)
-        )
-        routed_input_ND = _GatherTokens.apply(x_TD, sorted_pairs_N, pair_rank_N, K)
-        routed_output_ND = self.experts(routed_input_ND, num_tokens_per_expert_E)
-        y_TKD = _PermuteRows.apply(routed_output_ND, pair_rank_N, sorted_pairs_N).view(T, K, D)
+    def _combine_deterministic(self, routed_output_ND, top_scores_TK, sorted_pairs_N, pair_rank_N, dtype):
+        """The deterministic path (training.deterministic) gathers tokens and combines outputs with
+        no float accumulation whose order can vary: every gather is a permutation or its inverse,
+        and each token's K outputs are summed side by side (token-major, gather + sum over K)
+        instead of scatter-added; so is the token gather's gradient (`_GatherTokens`). Measured on
+        CPU (T 4096, K 4, D 512, one thread) 1.2-1.3x the scatter_add form's time for permute +
+        combine alone, hence only when deterministic algorithms are asked."""
+        T, K = top_scores_TK.shape
+        y_TKD = _PermuteRows.apply(routed_output_ND, pair_rank_N, sorted_pairs_N).view(T, K, -1)
         # Weighted in fp32 and cast, as the scatter form does; summed over K in a fixed order.
-        return (y_TKD.float() * top_scores_TK[:, :, None]).to(x_TD.dtype).sum(dim=1)
+        return (y_TKD.float() * top_scores_TK[:, :, None]).to(dtype).sum(dim=1)
 
     def init_weights(self, init_std: float) -> None:
         self.router.init_weights(init_std)
