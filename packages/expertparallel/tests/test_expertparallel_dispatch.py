@@ -9,6 +9,7 @@ all ranks' tokens; exactly one device-to-host transfer happens per forward.
 import pytest
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
 from plait.expertparallel import ExpertParallelConfig, apply_expert_parallel, capacity_per_expert
@@ -76,6 +77,9 @@ def _check(rank, world_size, capacity_factor=0.0, routing="random"):
     x, counts = _tokens(rank, routing)
     x = x.requires_grad_()
     y = holder.experts(x, counts)
+    # Handed back un-waited (waited at first use), so the caller's independent work (the shared
+    # experts) overlaps with the combine all-to-all.
+    unwaited = isinstance(y, AsyncCollectiveTensor) and not y.completed
     y.backward(torch.ones_like(y))
     # Reference: every rank's tokens through the unsharded experts on this process.
     ref_y = ref_dx = None
@@ -109,6 +113,7 @@ def _check(rank, world_size, capacity_factor=0.0, routing="random"):
         dx=(x.grad - ref_dx).abs().max().item(),
         w=max(weight_errors),
         syncs=dispatcher.host_syncs,
+        unwaited=unwaited,
         local_shape=tuple(holder.experts.w1.to_local().shape),
     )
 
@@ -119,6 +124,7 @@ def test_dropless_dispatch_matches_unsharded_experts(world_size, routing):
         assert result["local_shape"] == (E // world_size, D, H)
         assert result["y"] < 1e-5 and result["dx"] < 1e-5 and result["w"] < 1e-5, result
         assert result["syncs"] == 1  # one device-to-host transfer per MoE layer and micro-batch
+        assert result["unwaited"]  # the combine's output is still in flight when the caller gets it
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
