@@ -3,7 +3,8 @@
 Each rank holds different tokens, already sorted by global expert, with uneven counts (some
 experts get none). Through dispatch -> local experts -> combine every rank's output rows, its
 input gradient, and the gradient of its expert shard equal the single-process computation over
-all ranks' tokens; exactly one device-to-host transfer happens per forward.
+all ranks' tokens; exactly one device-to-host transfer happens per forward. Capacity mode also compiles whole
+(`fullgraph=True`) with the same results.
 """
 
 import pytest
@@ -52,6 +53,17 @@ class LoopExperts(nn.Module):
         return torch.cat(out)
 
 
+class EqualGroupExperts(LoopExperts):
+    """The same experts taking capacity mode's `group_rows` (the optional part of the contract):
+    every local expert owns exactly that many rows, so one batched matmul, nothing read on the host."""
+
+    def forward(self, x_ND, counts_E, group_rows=None):
+        w1, w2, w3 = [p.to_local() if isinstance(p, DTensor) else p for p in (self.w1, self.w2, self.w3)]
+        x_EGD = x_ND.view(w1.shape[0], group_rows, D)
+        h_EGH = torch.nn.functional.silu(torch.bmm(x_EGD, w1)) * torch.bmm(x_EGD, w3)
+        return torch.bmm(h_EGH, w2).view(-1, D)
+
+
 ROWS = 24  # (token, choice) pairs per rank: the same on every rank, as in training
 
 
@@ -66,7 +78,7 @@ def _tokens(rank, routing="random"):
     return torch.randn(ROWS, D, generator=g), counts
 
 
-def _check(rank, world_size, capacity_factor=0.0, routing="random"):
+def _check(rank, world_size, capacity_factor=0.0, routing="random", compiled=False):
     meshes = build_meshes(ParallelDims(dp_shard=world_size, ep=world_size, world_size=world_size))
     holder = nn.Module()
     holder.experts = LoopExperts()
@@ -98,12 +110,14 @@ def _check(rank, world_size, capacity_factor=0.0, routing="random"):
     ]
     dispatcher = dispatchers["experts"]
     result = {}
+    if compiled:
+        result = _compiled_capacity(meshes, config, x, counts, y, holder)
     if capacity_factor:
         # Rows past an expert's capacity are dropped: zero output, zero input gradient, counted.
         C = capacity_per_expert(x.shape[0], E, capacity_factor)
         position = torch.cat([torch.arange(int(c)) for c in counts])
         kept = position < C
-        result = dict(
+        result |= dict(
             kept_y=(y.detach()[kept] - ref_y[kept]).abs().max().item() if kept.any() else 0.0,
             dropped_zero=bool((y.detach()[~kept] == 0).all() and (x.grad[~kept] == 0).all()),
             dropped=int(dispatcher.dropped), expected_dropped=int((~kept).sum()),
@@ -116,6 +130,22 @@ def _check(rank, world_size, capacity_factor=0.0, routing="random"):
         unwaited=unwaited,
         local_shape=tuple(holder.experts.w1.to_local().shape),
     )
+
+
+def _compiled_capacity(meshes, config, x, counts, y_eager, eager):
+    """Capacity mode under torch.compile(fullgraph=True): dispatch, experts (told the static group
+    size) and combine in one graph, forward and backward equal to the eager run, drops counted."""
+    holder = nn.Module()
+    holder.experts = EqualGroupExperts()
+    dispatcher = apply_expert_parallel(holder, meshes.ep, ["experts"], config)["experts"]
+    compiled = torch.compile(holder.experts, fullgraph=True, backend="aot_eager")  # a graph break raises
+    xc = x.detach().clone().requires_grad_()
+    yc = compiled(xc, counts)
+    yc.backward(torch.ones_like(yc))
+    errors = [(yc.detach() - y_eager.detach()).abs().max(), (xc.grad - x.grad).abs().max()]
+    for n in ("w1", "w2", "w3"):
+        errors.append((getattr(holder.experts, n).grad.to_local() - getattr(eager.experts, n).grad.to_local()).abs().max())
+    return dict(compiled_err=max(e.item() for e in errors), compiled_dropped=int(dispatcher.dropped))
 
 
 @pytest.mark.parametrize("world_size, routing", [(2, "random"), (4, "random"), (4, "one_expert")])
@@ -136,9 +166,11 @@ def test_capacity_above_the_largest_load_equals_dropless_without_host_syncs(worl
 
 
 def test_tokens_over_capacity_are_dropped_and_counted():
-    for result in run_on_ranks(_check, 2, 0.5, timeout=120):
+    for result in run_on_ranks(_check, 2, 0.5, "random", True, timeout=120):
         assert result["expected_dropped"] > 0 and result["dropped"] == result["expected_dropped"], result
         assert result["dropped_zero"] and result["kept_y"] < 1e-5 and result["syncs"] == 0, result
+        # The same step compiled whole (fullgraph=True): the same values, the drops counted once.
+        assert result["compiled_err"] < 1e-5 and result["compiled_dropped"] == result["expected_dropped"], result
 
 
 def test_tp_row_shares_cover_the_rows_once_and_count_experts_on_the_device():

@@ -129,18 +129,30 @@ def _experts_module(model: nn.Module, path: str) -> nn.Module:
     return module
 
 
+def _takes_group_rows(module: nn.Module) -> bool:
+    """Whether the experts' forward takes `group_rows` (the optional part of the experts contract:
+    every expert owns that many rows, statically, so it may run one batched matmul)."""
+    return "group_rows" in inspect.signature(module.forward).parameters
+
+
 class _DispatchHooks:
     """Forward pre-hook: dispatch the module's inputs. Forward hook: combine its output.
 
     With `split` (rank, parts) the rows are divided among the TP ranks that hold them all: each
     dispatches only its share and pads the combined rows back (token_split.py)."""
 
-    def __init__(self, dispatcher: AllToAllDispatcher | CapacityDispatcher, split: tuple[int, int] | None = None):
+    def __init__(
+        self,
+        dispatcher: AllToAllDispatcher | CapacityDispatcher,
+        split: tuple[int, int] | None = None,
+        pass_group_rows: bool = False,
+    ):
         self.dispatcher = dispatcher
         self.split = split
+        self.pass_group_rows = pass_group_rows
         self._shares: list[RowShare] = []
 
-    def before(self, module, args):
+    def before(self, module, args, kwargs):
         if len(args) != 2:
             raise TypeError(
                 f"{type(module).__name__} called with {len(args)} positional arguments: expert parallel dispatches "
@@ -148,15 +160,20 @@ class _DispatchHooks:
             )
         x_ND, num_tokens_per_expert_E = args
         if self.split is None:
-            return self.dispatcher.dispatch(x_ND, num_tokens_per_expert_E)
-        rank, parts = self.split
-        share = row_share(x_ND.shape[0], rank, parts)
-        self._shares.append(share)
-        # Capacity blocks must be the same size on every ep rank: size them by the largest share.
-        capacity_rows = -(-(getattr(self.dispatcher, "capacity_rows", None) or x_ND.shape[0]) // parts)
-        return self.dispatcher.dispatch(
-            take_share(x_ND, share), counts_in_share(num_tokens_per_expert_E, share), capacity_rows=capacity_rows
-        )
+            x_padded, m_sizes = self.dispatcher.dispatch(x_ND, num_tokens_per_expert_E)
+        else:
+            rank, parts = self.split
+            share = row_share(x_ND.shape[0], rank, parts)
+            self._shares.append(share)
+            # Capacity blocks must be the same size on every ep rank: size them by the largest share.
+            capacity_rows = -(-(getattr(self.dispatcher, "capacity_rows", None) or x_ND.shape[0]) // parts)
+            x_padded, m_sizes = self.dispatcher.dispatch(
+                take_share(x_ND, share), counts_in_share(num_tokens_per_expert_E, share), capacity_rows=capacity_rows
+            )
+        if self.pass_group_rows:
+            # Capacity mode: every local expert owns ep x capacity rows, a static shape.
+            kwargs = {**kwargs, "group_rows": x_padded.shape[0] // self.dispatcher.num_local_experts}
+        return (x_padded, m_sizes), kwargs
 
     def after(self, module, args, y_padded_PD):
         y_ND = self.dispatcher.combine(y_padded_PD)
@@ -206,8 +223,8 @@ def apply_expert_parallel(
             )
         if hasattr(module, "pad_groups"):
             module.pad_groups = False  # the dispatcher hands it aligned groups
-        hooks = _DispatchHooks(dispatcher, split)
-        module.register_forward_pre_hook(hooks.before)
+        hooks = _DispatchHooks(dispatcher, split, config.capacity_factor > 0 and _takes_group_rows(module))
+        module.register_forward_pre_hook(hooks.before, with_kwargs=True)
         module.register_forward_hook(hooks.after)
         dispatchers[path] = dispatcher
     return dispatchers

@@ -74,7 +74,10 @@ class CapacityDispatcher:
         kept_N = position_N < C
         slot_N = torch.where(kept_N, expert_N * C + position_N, E * C)  # dropped rows -> a dump slot
         # Training forwards, not evaluation, nor an activation-checkpoint recomputation in backward.
-        if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+        # Under torch.compile the graph task id cannot be traced (a graph break), and is not needed:
+        # the count is a graph output applied once per call, a recomputation inside the compiled
+        # backward does not apply it again.
+        if torch.is_grad_enabled() and (torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1):
             dropped = (~kept_N).sum()
             self.dropped = dropped if self.dropped is None else self.dropped + dropped
         send = x_ND.new_zeros(E * C + 1, D).index_copy(0, slot_N, x_ND)[: E * C]  # [ep * El * C, D]
