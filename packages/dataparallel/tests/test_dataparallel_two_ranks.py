@@ -1,4 +1,5 @@
-"""2 ranks: FSDP (each reshard policy, prefetch, CPU offload, bf16, meta-device init), replicate, DDP.
+"""2 ranks: FSDP (each reshard policy, prefetch, CPU offload, bf16, meta-device init, gloo overlap),
+replicate, DDP.
 
 One spawn of 2 ranks runs every case; each test below checks one case's results against the
 single-process reference (same seed, data and initial weights).
@@ -14,7 +15,9 @@ from dataparallel_harness import (
     assert_sharded_bytes,
     build_model,
     full_params,
+    global_batches,
     local_param_bytes,
+    loss_fn,
     reference,
     reshard_after_forward_of,
     train,
@@ -23,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor, Replicate
 
 from plait.dataparallel import DataParallelConfig, apply_data_parallel
+from plait.dataparallel.cpu_overlap import reduce_scatters_issued
 from plait.mesh import ParallelConfigError, ParallelDims, build_meshes
 from plait.mesh.testing import RankError, run_on_ranks
 
@@ -50,13 +54,19 @@ def _cases(rank, world_size):
         grads=model.first_grads,
         bytes=local_param_bytes(model),
         reshard=reshard_after_forward_of(model),
+        deferred=_deferred_reduce_scatters(model, fsdp.dp_rank),
     )
     for policy in ("always", "never"):
         model, losses = _run(fsdp, DataParallelConfig(reshard_after_forward=policy))
         out[f"fsdp_{policy}"] = dict(losses=losses, reshard=reshard_after_forward_of(model))
     out["fsdp_prefetch"] = dict(losses=_run(fsdp, DataParallelConfig(prefetch=True))[1])
     model, losses = _run(fsdp, DataParallelConfig(cpu_offload=True))
-    out["fsdp_offload"] = dict(losses=losses, params=full_params(model), grads=model.first_grads)
+    out["fsdp_offload"] = dict(
+        losses=losses,
+        params=full_params(model),
+        grads=model.first_grads,
+        issued=reduce_scatters_issued(model.layers[0]),
+    )
 
     # The trainer's flow: build on meta, shard, materialise, load the seed checkpoint.
     with torch.device("meta"):
@@ -88,6 +98,27 @@ def _cases(rank, world_size):
     model, losses = _run(rep, DataParallelConfig(replicate_impl="ddp"))
     out["ddp"] = dict(losses=losses, params=full_params(model), grads=model.first_grads, wrapped=type(model).__name__)
     return out
+
+
+def _deferred_reduce_scatters(model, dp_rank):
+    """Gloo has no streams, so reduce-scatters whose output FSDP only views until backward ends are
+    issued async (cpu_overlap). A second backward before zero_grad makes FSDP add into the gradients,
+    which reads the output at once: those must be synchronous, and the sum exact."""
+    tokens, labels = (t[dp_rank::2] for t in global_batches()[0])
+    model.zero_grad()
+    before = reduce_scatters_issued(model.layers[0])
+    loss_fn(model(tokens), labels).backward()
+    once = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+    middle = reduce_scatters_issued(model.layers[0])
+    loss_fn(model(tokens), labels).backward()
+    after = reduce_scatters_issued(model.layers[0])
+    doubled = all(torch.equal(p.grad.to_local(), 2 * once[n]) for n, p in model.named_parameters())
+    model.zero_grad()
+    return dict(
+        first={k: middle[k] - before[k] for k in before},
+        second={k: after[k] - middle[k] for k in before},
+        doubled=doubled,
+    )
 
 
 def _experts_without_expert_fsdp(world_size):
@@ -146,6 +177,17 @@ def test_parity_losses(results, ref, case):
 def test_fsdp_shards_parameters_in_half(results, ref):
     for rank_result in results:
         assert_sharded_bytes(rank_result["fsdp"]["bytes"], ref, 2)
+
+
+def test_gloo_reduce_scatters_deferred_only_where_fsdp_just_views_the_output(results):
+    units = len(BLOCKS) + 1  # the blocks and the root
+    for rank_result in results:
+        got = rank_result["fsdp"]["deferred"]
+        assert got["first"] == {"deferred": units, "synchronous": 0}
+        assert got["second"] == {"deferred": 0, "synchronous": units}  # accumulation reads it
+        assert got["doubled"]
+        # CPU offload copies the output off at once: never deferred
+        assert rank_result["fsdp_offload"]["issued"]["deferred"] == 0
 
 
 def test_reshard_policies(results):

@@ -147,15 +147,16 @@ def test_missing_config_file(capsys):
 
 
 @pytest.mark.parametrize(
-    "overrides, explicit",
+    "overrides, device_type, explicit",
     [
-        ((), False),
-        ((("parallelism.ep", "2"),), True),
-        ((("parallelism.ep", "2"), ("parallelism.fsdp_prefetch", "implicit")), False),
-        ((("parallelism.fsdp_prefetch", "explicit"),), True),
+        ((), "cuda", False),
+        ((), "cpu", True),  # no streams: only an explicit prefetch overlaps gloo's all-gathers
+        ((("parallelism.ep", "2"),), "cuda", True),
+        ((("parallelism.ep", "2"), ("parallelism.fsdp_prefetch", "implicit")), "cpu", False),
+        ((("parallelism.fsdp_prefetch", "explicit"),), "cuda", True),
     ],
 )
-def test_fsdp_prefetch_reaches_the_data_parallel_config(overrides, explicit):
+def test_fsdp_prefetch_reaches_the_data_parallel_config(overrides, device_type, explicit):
     from plait.trainer.parallelize import data_parallel_config
 
-    assert data_parallel_config(build_config(None, list(overrides))).prefetch is explicit
+    assert data_parallel_config(build_config(None, list(overrides)), device_type).prefetch is explicit

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Shard
 from plait.mesh import Meshes
 
 from .config import DataParallelConfig
+from .cpu_overlap import overlap_on_cpu
 from .precision import mixed_precision_policy, offload_policy
 
 
@@ -139,16 +140,26 @@ def apply_fsdp(
     for path in blocks:
         reshard = _reshard(config.reshard_after_forward, _shard_size(dense_mesh), last=path == last_block)
         units.append(shard_module(modules[path], dense_mesh, config, reshard, ignored_params=ignored))
+    edges = []
     for i, unit in enumerate(edge_units):
         # The last edge unit (the output head) runs last in forward and first in backward: like the
         # last block it stays gathered in between; the others (the embedding) reshard after use.
         reshard = _reshard(config.reshard_after_forward, _shard_size(dense_mesh), last=i == len(edge_units) - 1)
         group = [modules[path] for path in unit]
         shard_module(group if len(group) > 1 else group[0], dense_mesh, config, reshard, ignored_params=ignored)
+        edges.append(group[0])  # a group shares one FSDP state: any of its modules reaches it
     root_reshard = _reshard(config.reshard_after_forward, _shard_size(dense_mesh), last=True)
     shard_module(model, dense_mesh, config, root_reshard, ignored_params=ignored)
     if config.prefetch:
         _set_prefetch(units, [experts_by_block.get(b, []) for b in blocks])
+    if dense_mesh.device_type == "cpu":
+        # No streams on CPU: gloo's collectives block the training thread unless issued async.
+        kind, expert_mesh, _ = _expert_placement(meshes)
+        sharded_experts = kind == "shard" and expert_mesh.ndim == 1
+        experts = [u for us in experts_by_block.values() for u in us] if sharded_experts else []
+        # HSDP all-reduces right after the reduce-scatter: only 1D meshes can defer it.
+        dense = [*units, *edges, model] if dense_mesh.ndim == 1 else []
+        overlap_on_cpu(model, [*experts, *dense])
     return model
 
 

@@ -189,7 +189,8 @@ class ParallelismConfig:
     """FSDP: issue the next block's all-gathers (in backward the previous block's) one block early
     (explicit), or leave it to FSDP's implicit prefetching, which overlaps them only while the host
     runs ahead of the device (implicit). auto: explicit under expert parallel, whose dropless
-    dispatch syncs the host once per MoE layer and so stops it running ahead; implicit otherwise."""
+    dispatch syncs the host once per MoE layer and so stops it running ahead, and on CPU, which has
+    no streams to prefetch implicitly; implicit otherwise."""
 
 
 @dataclass

@@ -39,15 +39,17 @@ def _dtype(config: Config) -> torch.dtype:
     return torch.bfloat16 if config.training.dtype == "bfloat16" else torch.float32
 
 
-def _explicit_prefetch(config: Config) -> bool:
+def _explicit_prefetch(config: Config, device_type: str | None) -> bool:
     policy = config.parallelism.fsdp_prefetch
     if policy == "auto":
-        # On CPU either way measured the same (2 cores, FSDP 2 and EP 2, within run-to-run noise).
-        return config.parallelism.ep > 1
+        # CPU has no streams, so no implicit prefetch: plait.dataparallel issues gloo's all-gathers
+        # async there, and only an explicit prefetch starts one before its block needs it.
+        return config.parallelism.ep > 1 or device_type == "cpu"
     return policy == "explicit"
 
 
-def data_parallel_config(config: Config):
+def data_parallel_config(config: Config, device_type: str | None = None):
+    """`device_type`: where the run trains ("cpu", "cuda"); it decides fsdp_prefetch = auto."""
     from plait.dataparallel import DataParallelConfig
 
     dtype = _dtype(config)
@@ -56,7 +58,7 @@ def data_parallel_config(config: Config):
         reduce_dtype=torch.float32,
         reshard_after_forward=config.parallelism.reshard_after_forward,
         replicate_impl=config.parallelism.replicate_impl,
-        prefetch=_explicit_prefetch(config),
+        prefetch=_explicit_prefetch(config, device_type),
     )
 
 
@@ -121,7 +123,7 @@ def _parallelize(config: Config, plan: RunPlan, meshes: Meshes, device: torch.de
         for path in blocks:
             model.get_submodule(path).compile(mode=mode)
 
-    dp_config = data_parallel_config(config)
+    dp_config = data_parallel_config(config, device.type)
     dp_mode = data_parallel_mode(meshes.dims, dp_config)
     wrapped = apply_data_parallel(
         model, meshes, blocks, dp_config, expert_modules=info.get("experts", ()),
