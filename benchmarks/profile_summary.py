@@ -30,8 +30,9 @@ _MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grou
            "aten::_weight_int8pack_mm", "aten::_scaled_mm"}  # fmt: skip
 # Collective ops (everything under them is the collective's own work).
 _COLLECTIVES = ("c10d::", "_c10d_functional::", "gloo:", "nccl:", "record_param_comms", "aten::wait_tensor")
-# FSDP's own spans around its collectives: their self time is launching and waiting for them.
-_FSDP_COMM_WORDS = ("all_gather", "reduce_scatter", "all_reduce", "_wait")
+# FSDP's own spans around its collectives: their self time is launching and waiting for them
+# (post_backward_reduce: on gloo a synchronous reduce-scatter is waited on inside it, in no op).
+_FSDP_COMM_WORDS = ("all_gather", "reduce_scatter", "all_reduce", "_wait", "post_backward_reduce", "rs_wait")
 _ATTENTION_WORDS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
 _COMPILED_WORDS = ("CompiledFunction", "Torch-Compiled Region", "inductor", "triton_", "cpp_fused")
 
