@@ -104,6 +104,8 @@ class CapacityDispatcher:
         self._rows_checked = rows
 
     def combine(self, y_padded_PD: torch.Tensor) -> torch.Tensor:
+        # Unlike dropless, the rows come back in slot order and the gather into the caller's
+        # order must wait for them here, so the shared experts cannot overlap this all-to-all.
         slot_N, kept_N, C = self._pending.pop()
         El, ep = self.num_local_experts, self.ep
         D = y_padded_PD.shape[-1]

@@ -114,7 +114,10 @@ class AllToAllDispatcher:
         return x_padded_PD, m_sizes_E
 
     def combine(self, y_padded_PD: torch.Tensor) -> torch.Tensor:
-        """The local experts' outputs -> rows back on their source ranks, in dispatch's input order."""
+        """The local experts' outputs -> rows back on their source ranks, in dispatch's input order.
+        Handed back un-waited (an AsyncCollectiveTensor waits at its first use; on CUDA the NCCL
+        stream runs meanwhile): work the caller does before using it, the MoE block's shared
+        experts, overlaps with the all-to-all."""
         routed = self._pending.pop()
         y_received_ND = self.unpermute(y_padded_PD, routed.permuted_indices_P, routed.num_received)
         return all_to_all_single_autograd(y_received_ND, routed.input_splits, routed.output_splits, self.group)
