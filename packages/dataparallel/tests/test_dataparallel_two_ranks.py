@@ -33,9 +33,9 @@ from plait.mesh.testing import RankError, run_on_ranks
 TIMEOUT = 240
 
 
-def _run(meshes, config, model=None):
+def _run(meshes, config, model=None, edge_units=()):
     model = model if model is not None else build_model()
-    model = apply_data_parallel(model, meshes, BLOCKS, config)
+    model = apply_data_parallel(model, meshes, BLOCKS, config, edge_units=edge_units)
     grads = {}
     losses = train(model, meshes.dp_rank, meshes.dp_degree, meshes.dp.get_group(), first_grads=grads)
     model.first_grads = grads
@@ -59,7 +59,9 @@ def _cases(rank, world_size):
     for policy in ("always", "never"):
         model, losses = _run(fsdp, DataParallelConfig(reshard_after_forward=policy))
         out[f"fsdp_{policy}"] = dict(losses=losses, reshard=reshard_after_forward_of(model))
-    out["fsdp_prefetch"] = dict(losses=_run(fsdp, DataParallelConfig(prefetch=True))[1])
+    # The prefetch chain runs embedding -> blocks -> head (and back in backward).
+    edges = [["tok_embeddings"], ["norm", "output"]]
+    out["fsdp_prefetch"] = dict(losses=_run(fsdp, DataParallelConfig(prefetch=True), edge_units=edges)[1])
     model, losses = _run(fsdp, DataParallelConfig(cpu_offload=True))
     out["fsdp_offload"] = dict(
         losses=losses,

@@ -151,7 +151,9 @@ def apply_fsdp(
     root_reshard = _reshard(config.reshard_after_forward, _shard_size(dense_mesh), last=True)
     shard_module(model, dense_mesh, config, root_reshard, ignored_params=ignored)
     if config.prefetch:
-        _set_prefetch(units, [experts_by_block.get(b, []) for b in blocks])
+        # Edge units in forward order: all but the last (the head) run before the blocks.
+        chain = [[e] for e in edges[:-1]] + [[u, *experts_by_block.get(b, [])] for u, b in zip(units, blocks)]
+        _set_prefetch(chain + [[e] for e in edges[-1:]])
     if dense_mesh.device_type == "cpu":
         # No streams on CPU: gloo's collectives block the training thread unless issued async.
         kind, expert_mesh, _ = _expert_placement(meshes)
@@ -232,11 +234,11 @@ class _GradScale:
         return grad / self.factor
 
 
-def _set_prefetch(blocks: list[FSDPModule], experts: list[list[FSDPModule]]) -> None:
-    """Forward: block i issues block i+1's all-gathers (and its experts'); backward: block i-1's."""
-    groups = [[block, *block_experts] for block, block_experts in zip(blocks, experts)]
-    for i, block in enumerate(blocks):
-        if i + 1 < len(blocks):
-            block.set_modules_to_forward_prefetch(groups[i + 1])
+def _set_prefetch(groups: list[list[FSDPModule]]) -> None:
+    """`groups` in forward order (a unit and the expert units inside it). Forward: each unit issues
+    the next group's all-gathers; backward: the previous group's."""
+    for i, (unit, *_) in enumerate(groups):
+        if i + 1 < len(groups):
+            unit.set_modules_to_forward_prefetch(groups[i + 1])
         if i > 0:
-            block.set_modules_to_backward_prefetch(groups[i - 1])
+            unit.set_modules_to_backward_prefetch(groups[i - 1])
