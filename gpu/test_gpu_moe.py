@@ -5,6 +5,8 @@ CUDA-only branches (grep device.type / is_cuda / cuda / triton):
 - models/moe/experts.py:_grouped_mm -- torch._grouped_mm's CUTLASS kernel (bf16, sm90/sm100);
   `_grouped_mm_sync_free` (Triton, moe/triton_grouped_mm.py) for fp32 and bf16 below Hopper,
   where torch's fallback would read `offs` on the host on every call.
+- models/moe/experts.py:_equal_groups_as_bmm -- capacity mode's equal groups: grouped_mm on CUDA,
+  a batched matmul on the CPU.
 - models/moe/kernels.py:generate_permute_indices -- the Triton permute kernel (triton_kernels.py).
 - expertparallel dispatch / combine -- NCCL uneven all_to_all_single; the experts' gradient
   reduction over their FSDP mesh with a divide factor (PREMUL_SUM on NCCL, SUM then divide on gloo).
@@ -81,6 +83,19 @@ def test_fp32_experts_run_without_host_sync(device):
     got = (y, xd.grad, experts.w1.grad, experts.w2.grad, experts.w3.grad)
     for name, g, r in zip(("y", "dx", "dw1", "dw2", "dw3"), got, ref):
         _close(g, r, 1e-4, f"fp32 {name}")
+
+
+def test_equal_groups_match_per_expert_matmuls(device):
+    """Device branch: models/moe/experts.py:_equal_groups_as_bmm -- capacity mode's `group_rows`
+    (every expert 16 rows): CUDA keeps grouped_mm, the CPU dry run takes the batched matmul;
+    forward and backward in bf16 against per-expert fp32 matmuls."""
+    experts, xd, counts, dy, ref = _experts_case(device, torch.bfloat16, counts=(16,) * E)
+    experts.pad_groups = False  # as expert parallel sets it
+    y = experts(xd, counts, group_rows=16)
+    y.backward(dy)
+    got = (y, xd.grad, experts.w1.grad, experts.w2.grad, experts.w3.grad)
+    for name, g, r in zip(("y", "dx", "dw1", "dw2", "dw3"), got, ref):
+        _close(g, r, BF16_TOL, f"equal groups {name}")
 
 
 @pytest.mark.cuda_only
