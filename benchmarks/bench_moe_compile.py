@@ -32,6 +32,22 @@ def _timed(fn, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
+def _alternate(a: tuple[str, callable], b: tuple[str, callable], rounds: int, steps: int, digits: int) -> str:
+    """A and B take turns going first each round, each timing `steps` steps after a warm-up call;
+    "A median [range], B median [range], B/A median [range]" in ms."""
+    times = {a[0]: [], b[0]: []}
+    for r in range(rounds):
+        for name, fn in (a, b) if r % 2 == 0 else (b, a):
+            fn()  # warm-up of this round (caches, allocator)
+            times[name].append(_timed(fn, steps) * 1e3)
+    ratios = [y / x for x, y in zip(times[a[0]], times[b[0]])]
+    cells = [
+        f"{k} {statistics.median(v):.{digits}f} ms [{min(v):.{digits}f}-{max(v):.{digits}f}]" for k, v in times.items()
+    ]
+    return (", ".join(cells) + f", {b[0]}/{a[0]} {statistics.median(ratios):.2f} "
+            f"[{min(ratios):.2f}-{max(ratios):.2f}]")  # fmt: skip
+
+
 def _cases(what: str, dtype: torch.dtype, batch: int, seq: int):
     """(eager step, compiled step) for one workload."""
     args = FLAVORS["debugmodel"]
@@ -79,19 +95,8 @@ def ab(what: str, dtype: torch.dtype, rounds: int, steps: int, batch: int, seq: 
     compiled()
     compile_s = time.perf_counter() - t0
     eager()
-    times = {"eager": [], "compiled": []}
-    for r in range(rounds):
-        order = [("eager", eager), ("compiled", compiled)]
-        for name, fn in order if r % 2 == 0 else order[::-1]:
-            fn()  # warm-up of this round (caches, allocator)
-            times[name].append(_timed(fn, steps) * 1e3)
-    ratios = [c / e for c, e in zip(times["compiled"], times["eager"])]
-    cells = [f"{k} {statistics.median(v):.1f} ms [{min(v):.1f}-{max(v):.1f}]" for k, v in times.items()]
-    print(
-        f"{what} {str(dtype)[6:]} (compile + first steps {compile_s:.0f} s): " + ", ".join(cells)
-        + f", compiled/eager {statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}]",
-        flush=True,
-    )
+    result = _alternate(("eager", eager), ("compiled", compiled), rounds, steps, digits=1)
+    print(f"{what} {str(dtype)[6:]} (compile + first steps {compile_s:.0f} s): {result}", flush=True)
 
 
 def equal_groups(dtype: torch.dtype, rounds: int, steps: int) -> None:
@@ -109,19 +114,8 @@ def equal_groups(dtype: torch.dtype, rounds: int, steps: int) -> None:
             xr = x.detach().requires_grad_()
             experts(xr, counts, group_rows=group_rows).float().square().mean().backward()
 
-        times = {"grouped_mm": [], "bmm": []}
-        for r in range(rounds):
-            order = [("grouped_mm", lambda: run(None)), ("bmm", lambda run=run, G=G: run(G))]
-            for name, fn in order if r % 2 == 0 else order[::-1]:
-                fn()
-                times[name].append(_timed(fn, steps) * 1e3)
-        ratios = [b / g for b, g in zip(times["bmm"], times["grouped_mm"])]
-        cells = [f"{k} {statistics.median(v):.2f} ms [{min(v):.2f}-{max(v):.2f}]" for k, v in times.items()]
-        print(
-            f"equal groups E {E} x {G} rows, D {D} H {H} {str(dtype)[6:]}: " + ", ".join(cells)
-            + f", bmm/grouped_mm {statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}]",
-            flush=True,
-        )
+        result = _alternate(("grouped_mm", lambda: run(None)), ("bmm", lambda run=run, G=G: run(G)), rounds, steps, 2)
+        print(f"equal groups E {E} x {G} rows, D {D} H {H} {str(dtype)[6:]}: {result}", flush=True)
 
 
 def main() -> None:
