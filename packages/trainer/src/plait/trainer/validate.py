@@ -445,7 +445,7 @@ def _validate_cuda_graphs(config: Config, dims: ParallelDims) -> None:
             "its shapes follow the routing, so a graph would be re-recorded for every token count; set "
             "parallelism.expert_capacity_factor > 0 (static shapes, no host sync) or compile_mode = default."
         )
-    if dims.dp_shard * dims.cp > 1 or dims.efsdp > 1:
+    if dims.dp_shard_cp > 1 or dims.efsdp > 1:
         raise ConfigError(
             f"training.compile_mode = {mode}: FSDP / HSDP free and re-allocate the unsharded parameters every "
             "step, which a CUDA graph cannot follow; use dp_shard = cp = 1 (replicate, DDP, TP, expert capacity "
