@@ -4,11 +4,13 @@ Each rank holds different tokens, already sorted by global expert, with uneven c
 experts get none). Through dispatch -> local experts -> combine every rank's output rows, its
 input gradient, and the gradient of its expert shard equal the single-process computation over
 all ranks' tokens; exactly one device-to-host transfer happens per forward. Capacity mode also compiles whole
-(`fullgraph=True`) with the same results.
+(`fullgraph=True`) with the same results. With a module named to overlap (`overlap_modules`) the
+combine's reverse all-to-all is issued before that module's backward, with the same results.
 """
 
 import pytest
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
@@ -112,6 +114,8 @@ def _check(rank, world_size, capacity_factor=0.0, routing="random", compiled=Fal
     result = {}
     if compiled:
         result = _compiled_capacity(meshes, config, x, counts, y, holder)
+    if not capacity_factor and world_size == 2:
+        result = _overlapped_backward(meshes, rank)
     if capacity_factor:
         # Rows past an expert's capacity are dropped: zero output, zero input gradient, counted.
         C = capacity_per_expert(x.shape[0], E, capacity_factor)
@@ -129,6 +133,63 @@ def _check(rank, world_size, capacity_factor=0.0, routing="random", compiled=Fal
         syncs=dispatcher.host_syncs,
         unwaited=unwaited,
         local_shape=tuple(holder.experts.w1.to_local().shape),
+    )
+
+
+class SharedMoE(nn.Module):
+    """Routed experts, then a shared layer before their output is first used (the MoE block's order)."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = LoopExperts()
+        self.shared = nn.Linear(D, D)
+
+    def forward(self, x_ND, counts_E, shared_first=True):
+        routed_ND = self.experts(x_ND, counts_E)
+        if not shared_first:  # breaks the overlap contract: the routed output used first
+            return routed_ND * 2 + self.shared(x_ND)
+        shared_ND = self.shared(x_ND)
+        return routed_ND * 2 + shared_ND
+
+
+def _overlapped_backward(meshes, rank):
+    """The same step with and without `overlap_modules`: outputs and gradients, and the order in
+    backward of the combine's reverse all-to-all, the shared layer and the experts."""
+    events, real_all_to_all = [], funcol.all_to_all_single
+    runs = {}
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        moe = SharedMoE()
+        apply_expert_parallel(moe, meshes.ep, ["experts"], overlap_modules={"experts": "shared"} if overlap else None)
+        in_flight = []
+
+        def all_to_all(*args, **kwargs):  # what the linked combine's backward calls
+            in_flight.append(real_all_to_all(*args, **kwargs))
+            events.append("all_to_all")
+            return in_flight[-1]
+
+        funcol.all_to_all_single = all_to_all
+        moe.shared.weight.register_hook(lambda g: events.append(f"shared, in flight {[not t.completed for t in in_flight]}"))
+        moe.experts.w1.register_hook(lambda g: events.append("experts"))
+        x, counts = _tokens(rank)
+        x.requires_grad_()
+        y = moe(x, counts)
+        events.clear(), in_flight.clear()  # backward only
+        y.square().sum().backward()
+        funcol.all_to_all_single = real_all_to_all
+        runs[overlap] = dict(events=list(events), values=[y.detach(), x.grad] + [p.grad for p in moe.parameters()])
+    try:  # the contract broken: one line, before anything reads the rows still in flight
+        moe(x, counts, shared_first=False)
+        misuse = "no error"
+    except RuntimeError as e:
+        misuse = str(e)
+    diffs = [(a.full_tensor() if isinstance(a, DTensor) else a) - (b.full_tensor() if isinstance(b, DTensor) else b)
+             for a, b in zip(runs[False]["values"], runs[True]["values"])]  # fmt: skip
+    return dict(
+        overlap_diff=max(d.abs().max().item() for d in diffs),
+        events_plain=runs[False]["events"],
+        events_overlapped=runs[True]["events"],
+        misuse=misuse,
     )
 
 
@@ -155,6 +216,13 @@ def test_dropless_dispatch_matches_unsharded_experts(world_size, routing):
         assert result["y"] < 1e-5 and result["dx"] < 1e-5 and result["w"] < 1e-5, result
         assert result["syncs"] == 1  # one device-to-host transfer per MoE layer and micro-batch
         assert result["unwaited"]  # the combine's output is still in flight when the caller gets it
+        if world_size == 2:
+            # Overlapped: the reverse all-to-all goes out first and is still in flight while the
+            # shared layer's backward runs; the experts' backward, its user, waits. Bitwise equal.
+            assert result["events_overlapped"] == ["all_to_all", "shared, in flight [True]", "experts"], result
+            assert result["events_plain"] == ["shared, in flight []", "experts"], result
+            assert result["overlap_diff"] == 0.0, result
+            assert "used (aten.mul.Tensor) before the module named to overlap" in result["misuse"], result
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -168,6 +168,8 @@ def test_parallel_info_paths_exist():
     assert info["blocks"] == ["layers.0", "layers.1", "layers.2"]
     assert info["experts"] == ["layers.1.moe.experts", "layers.2.moe.experts"]
     assert all(p in modules for p in info["experts"] + info["attention_modules"])
+    # Each MoE's shared experts run after its experts and before their output is used.
+    assert info["expert_overlap"] == {f"layers.{i}.moe.experts": f"layers.{i}.moe.shared_experts" for i in (1, 2)}
     for pattern in info["tp_plan"]:
         assert any(fnmatch.fnmatchcase(path, pattern) for path in modules), pattern
     assert "layers.*.attention.wq_b" in info["tp_plan"] and "layers.*.attention.wq" not in info["tp_plan"]

@@ -11,11 +11,12 @@ With tensor parallel the MoE is a TP region (every TP rank holds the same routed
 """
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from plait.mesh import ParallelConfigError
@@ -146,10 +147,12 @@ class _DispatchHooks:
         dispatcher: AllToAllDispatcher | CapacityDispatcher,
         split: tuple[int, int] | None = None,
         pass_group_rows: bool = False,
+        deferred: bool = False,
     ):
         self.dispatcher = dispatcher
         self.split = split
         self.pass_group_rows = pass_group_rows
+        self.deferred = deferred
         self._shares: list[RowShare] = []
 
     def before(self, module, args, kwargs):
@@ -176,8 +179,34 @@ class _DispatchHooks:
         return (x_padded, m_sizes), kwargs
 
     def after(self, module, args, y_padded_PD):
-        y_ND = self.dispatcher.combine(y_padded_PD)
+        if self.deferred:
+            # Data parallel on the experts themselves (expert FSDP, replicate) unshards them before
+            # their backward from a hook on this output: it must carry autograd history now.
+            y_ND = self.dispatcher.combine(y_padded_PD, deferred=not isinstance(module, FSDPModule))
+        else:
+            y_ND = self.dispatcher.combine(y_padded_PD)
         return y_ND if self.split is None else restore_share(y_ND, self._shares.pop())
+
+    def link(self, module, args, output):
+        self.dispatcher.link_deferred()
+
+    def check_linked(self, module, args, output):
+        if self.dispatcher.drop_deferred():
+            raise RuntimeError(
+                f"expert parallel: {type(module).__name__} returned before the module named to overlap the "
+                "combine ran (overlap_modules): that module must run after the experts and before their output "
+                "is first used. Fix the forward or drop the module from overlap_modules."
+            )
+
+
+def _overlap_module(model: nn.Module, experts_path: str, path: str) -> nn.Module:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        raise ParallelConfigError(
+            f"overlap module {path!r} (for {experts_path!r}) is not a module path of the model: name the module "
+            "that runs after the experts and before their output is first used (e.g. the shared experts)."
+        ) from None
 
 
 def apply_expert_parallel(
@@ -188,6 +217,7 @@ def apply_expert_parallel(
     *,
     tp_mesh: DeviceMesh | None = None,
     ep_etp_mesh: DeviceMesh | None = None,
+    overlap_modules: Mapping[str, str] | None = None,
 ) -> dict[str, AllToAllDispatcher | CapacityDispatcher]:
     """Shard each routed-experts module (`parallel_info()["experts"]`: weights [E, in, out],
     `forward(routed_input_ND, num_tokens_per_expert_E)`, `permute_and_pad` / `unpermute` helpers)
@@ -196,14 +226,23 @@ def apply_expert_parallel(
 
     Under tensor parallel pass `tp_mesh` (the experts sit in a TP region). With etp = 1 (the
     experts left whole by TP) each TP rank dispatches its share of the rows; with etp = tp (TP
-    already split their hidden dim) pass `ep_etp_mesh`, the 2-D (ep, etp) mesh they end up on."""
+    already split their hidden dim) pass `ep_etp_mesh`, the 2-D (ep, etp) mesh they end up on.
+
+    `overlap_modules` (`parallel_info()["expert_overlap"]`): experts path -> a module the MoE runs
+    after the experts call and before it first uses their output (the shared experts). Dropless
+    then links the combine to autograd when that module has run, so the combine's reverse
+    all-to-all overlaps that module's backward as its forward all-to-all overlaps its forward.
+    Same values and gradients; skipped under TP row shares (etp = 1), torch.compile, and for
+    experts that data parallel wraps themselves (expert FSDP, replicate)."""
     config = config or ExpertParallelConfig()
+    overlap_modules = dict(overlap_modules or {})
     ep = ep_mesh.size()
     tp = tp_mesh.size() if tp_mesh is not None else 1
     etp = ep_etp_mesh.size(1) if ep_etp_mesh is not None else 1
     split = (tp_mesh.get_local_rank(), tp) if tp > 1 and etp == 1 else None
     # Every module checked before the first one is sharded (distribute_tensor is a collective).
     modules = {path: _experts_module(model, path) for path in expert_modules}
+    overlaps = {path: _overlap_module(model, path, overlap_modules[path]) for path in modules if path in overlap_modules}
     for module in modules.values():
         validate_expert_parallel(next(module.parameters()).shape[0], ep, tp, etp, config)
     dispatchers = {}
@@ -223,9 +262,14 @@ def apply_expert_parallel(
             )
         if hasattr(module, "pad_groups"):
             module.pad_groups = False  # the dispatcher hands it aligned groups
-        hooks = _DispatchHooks(dispatcher, split, config.capacity_factor > 0 and _takes_group_rows(module))
+        deferred = path in overlaps and config.capacity_factor == 0 and split is None
+        hooks = _DispatchHooks(dispatcher, split, config.capacity_factor > 0 and _takes_group_rows(module), deferred)
         module.register_forward_pre_hook(hooks.before, with_kwargs=True)
         module.register_forward_hook(hooks.after)
+        if deferred:
+            overlaps[path].register_forward_hook(hooks.link)
+            parent = path.rpartition(".")[0]
+            model.get_submodule(parent).register_forward_hook(hooks.check_linked)
         dispatchers[path] = dispatcher
     return dispatchers
 

@@ -112,7 +112,8 @@ def _parallelize(config: Config, plan: RunPlan, meshes: Meshes, device: torch.de
         # parallel then shards them over what is left (efsdp).
         ep = plan.parallel_modules["ep"]
         dispatchers = ep.apply_expert_parallel(
-            model, meshes.ep, info["experts"], ep_config(ep, config), tp_mesh=meshes.tp, ep_etp_mesh=meshes.ep_etp
+            model, meshes.ep, info["experts"], ep_config(ep, config), tp_mesh=meshes.tp, ep_etp_mesh=meshes.ep_etp,
+            overlap_modules=info.get("expert_overlap"),
         )
 
     apply_activation_checkpointing(

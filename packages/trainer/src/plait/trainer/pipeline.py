@@ -100,8 +100,10 @@ def _tensor_and_expert_parallel(config: Config, plan: RunPlan, meshes: Meshes, m
     experts = _owned(info.get("experts", ()), module)
     if dims.ep > 1 and experts:
         ep = plan.parallel_modules["ep"]
+        overlap = {k: v for k, v in info.get("expert_overlap", {}).items() if k in experts}
         dispatchers = ep.apply_expert_parallel(
-            module, meshes.ep, experts, ep_config(ep, config), tp_mesh=meshes.tp, ep_etp_mesh=meshes.ep_etp
+            module, meshes.ep, experts, ep_config(ep, config), tp_mesh=meshes.tp, ep_etp_mesh=meshes.ep_etp,
+            overlap_modules=overlap,
         )
     return loss_parallel, cp_layout, dispatchers
 

@@ -253,6 +253,13 @@ class Transformer(nn.Module):
             # split with the batch, never sharded on sequence (attention needs every boundary).
             "document_input": "document_positions",
             "experts": [f"{b}.moe.experts" for b, layer in zip(blocks, self.layers.values()) if layer.is_moe],
+            # The module each MoE runs after its experts and before it first uses their output: expert
+            # parallel overlaps the combine all-to-all with it, forward and backward.
+            "expert_overlap": {
+                f"{b}.moe.experts": f"{b}.moe.shared_experts"
+                for b, layer in zip(blocks, self.layers.values())
+                if layer.is_moe and layer.moe.shared_experts is not None
+            },
             "attention_modules": [f"{block}.attention.sdpa" for block in blocks],
             # FSDP units outside the blocks, in forward order: the embedding (resharded once used) and
             # the output head.
