@@ -155,13 +155,12 @@ class SharedMoE(nn.Module):
 def _overlapped_backward(meshes, rank):
     """The same step with and without `overlap_modules`: outputs and gradients, and the order in
     backward of the combine's reverse all-to-all, the shared layer and the experts."""
-    events, real_all_to_all = [], funcol.all_to_all_single
+    events, in_flight, real_all_to_all = [], [], funcol.all_to_all_single
     runs = {}
     for overlap in (False, True):
         torch.manual_seed(0)
         moe = SharedMoE()
         apply_expert_parallel(moe, meshes.ep, ["experts"], overlap_modules={"experts": "shared"} if overlap else None)
-        in_flight = []
 
         def all_to_all(*args, **kwargs):  # what the linked combine's backward calls
             in_flight.append(real_all_to_all(*args, **kwargs))
