@@ -179,7 +179,7 @@ class _DispatchHooks:
         return (x_padded, m_sizes), kwargs
 
     def after(self, module, args, y_padded_PD):
-        if self.deferred:
+        if self.deferred:  # dropless only: CapacityDispatcher.combine has no deferred form
             # Data parallel on the experts themselves (expert FSDP, replicate) unshards them before
             # their backward from a hook on this output: it must carry autograd history now.
             y_ND = self.dispatcher.combine(y_padded_PD, deferred=not isinstance(module, FSDPModule))

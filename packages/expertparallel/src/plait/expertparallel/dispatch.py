@@ -190,8 +190,9 @@ class AllToAllDispatcher:
 
         `deferred`: the rows come back as a tensor the all-to-all is still filling, with no
         autograd history and unusable until `link_deferred()` (the overlapped module's forward
-        hook) waits for it and joins it to autograd, so the backward overlaps too. Not under torch.compile (the
-        compiled graph orders its own backward) nor without autograd: the plain path there."""
+        hook) waits for it and joins it to autograd, so the backward overlaps too. Not under
+        torch.compile (the compiled graph orders its own backward) nor without autograd: the plain
+        path there."""
         routed = self._pending.pop()
         y_received_ND = self.unpermute(y_padded_PD, routed.permuted_indices_P, routed.num_received)
         if not deferred or not torch.is_grad_enabled() or torch.compiler.is_compiling():
