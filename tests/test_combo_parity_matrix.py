@@ -42,6 +42,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import time
 import zlib
@@ -334,9 +335,13 @@ def _grad_file(grads_dir: str, key: str, step: int) -> str:
     return os.path.join(grads_dir, f"{zlib.crc32(key.encode()):08x}-step{step}.pt")
 
 
-def _capture_gradients(trainer, rank: int, grads_dir: str, key: str, reference: str | None, dtype: str) -> dict:
+def _capture_gradients(
+    trainer, rank: int, grads_dir: str, key: str, reference: str | None, dtype: str, save: bool
+) -> dict:
     """Wrap the trainer's optimizer step: at the steps of _grad_steps, gather every gradient (all
-    ranks), and on rank 0 save them and diff them with the reference's; returns {step: (diff, name)}."""
+    ranks), and on rank 0 diff them with the reference's and save them if `save` (another entry's
+    reference: the others are not kept, a DeepSeek step's gradients are 130 MB); returns
+    {step: (diff, name)}."""
     param_diffs = {}
     optimizer_step = trainer.optimizer.step
     # In bf16 a top-k choice can flip between layouts at step 1 already (measured: FSDP x TP vs FSDP):
@@ -360,7 +365,8 @@ def _capture_gradients(trainer, rank: int, grads_dir: str, key: str, reference: 
                     dist.all_gather_object(parts, grads)
                     grads = {name: g for part in parts for name, g in part.items()}
                 if rank == 0:
-                    torch.save(grads, _grad_file(grads_dir, key, trainer.step))
+                    if save:
+                        torch.save(grads, _grad_file(grads_dir, key, trainer.step))
                     if reference is not None:
                         ref = torch.load(_grad_file(grads_dir, reference, trainer.step))
                         param_diffs[trainer.step] = _param_grad_diff(grads, ref, skip)
@@ -370,7 +376,7 @@ def _capture_gradients(trainer, rank: int, grads_dir: str, key: str, reference: 
     return param_diffs
 
 
-def _train_each(rank: int, world_size: int, root: str, grads_dir: str, jobs: list[tuple]) -> dict:
+def _train_each(rank: int, world_size: int, root: str, grads_dir: str, jobs: list[tuple], references: set) -> dict:
     """On every rank: train each job in turn in this process, under the step sentinel. Rank 0
     returns each job's metrics rows, step-by-step sentinel counts and per-parameter gradient
     differences from the job's reference (whose gradients earlier jobs wrote to `grads_dir`)."""
@@ -388,7 +394,7 @@ def _train_each(rank: int, world_size: int, root: str, grads_dir: str, jobs: lis
         trainer = Trainer(build_config(load_toml(f"{model}_debugmodel.toml"), args.overrides))
         sentinel = StepSentinel(compute_dtype=torch.bfloat16 if dtype == "bfloat16" else None)
         trainer.step_sentinel = sentinel
-        param_diffs = _capture_gradients(trainer, rank, grads_dir, key, reference, dtype)
+        param_diffs = _capture_gradients(trainer, rank, grads_dir, key, reference, dtype, key in references)
         try:
             trainer.train()
         finally:
@@ -416,8 +422,10 @@ def _run_world(ranks: int, root: Path, grads_dir: Path, entries: list[tuple]) ->
             for layout, model, dtype in entries
             if layout.ranks == ranks
         ]
+    references = {job[-1] for job in _one_rank_jobs(entries)} | {_reference_key(*entry) for entry in entries}
     # ~10 s per job at 8 ranks on 2 cores (more under the sentinel); bounded so a hang fails.
-    return run_on_ranks(_train_each, ranks, str(root), str(grads_dir), jobs, timeout=120 + 60 * len(jobs) * ranks)[0]
+    timeout = 120 + 60 * len(jobs) * ranks
+    return run_on_ranks(_train_each, ranks, str(root), str(grads_dir), jobs, references, timeout=timeout)[0]
 
 
 def _needed(selected: list[tuple]) -> list[tuple]:
@@ -449,7 +457,8 @@ def runs(request, tmp_path_factory):
                 done[size] = _run_world(size, tmp_path_factory.mktemp(f"world{size}"), grads_dir, entries)
         return done[ranks]
 
-    return get
+    yield get
+    shutil.rmtree(grads_dir)  # the references' gradients: this fixture's own folder, GBs at full size
 
 
 @pytest.fixture(scope="module")
