@@ -5,7 +5,8 @@ experts get none). Through dispatch -> local experts -> combine every rank's out
 input gradient, and the gradient of its expert shard equal the single-process computation over
 all ranks' tokens; exactly one device-to-host transfer happens per forward. Capacity mode also compiles whole
 (`fullgraph=True`) with the same results. With a module named to overlap (`overlap_modules`) the
-combine's reverse all-to-all is issued before that module's backward, with the same results.
+combine's reverse all-to-all (dropless and capacity) is issued before that module's backward,
+with the same results.
 """
 
 import pytest
@@ -114,8 +115,8 @@ def _check(rank, world_size, capacity_factor=0.0, routing="random", compiled=Fal
     result = {}
     if compiled:
         result = _compiled_capacity(meshes, config, x, counts, y, holder)
-    if not capacity_factor and world_size == 2:
-        result = _overlapped_backward(meshes, rank)
+    if world_size == 2:
+        result |= _overlapped_backward(meshes, rank, config)
     if capacity_factor:
         # Rows past an expert's capacity are dropped: zero output, zero input gradient, counted.
         C = capacity_per_expert(x.shape[0], E, capacity_factor)
@@ -152,7 +153,7 @@ class SharedMoE(nn.Module):
         return routed_ND * 2 + shared_ND
 
 
-def _overlapped_backward(meshes, rank):
+def _overlapped_backward(meshes, rank, config):
     """The same step with and without `overlap_modules`: outputs and gradients, and the order in
     backward of the combine's reverse all-to-all, the shared layer and the experts."""
     events, in_flight, real_all_to_all = [], [], funcol.all_to_all_single
@@ -160,7 +161,8 @@ def _overlapped_backward(meshes, rank):
     for overlap in (False, True):
         torch.manual_seed(0)
         moe = SharedMoE()
-        apply_expert_parallel(moe, meshes.ep, ["experts"], overlap_modules={"experts": "shared"} if overlap else None)
+        overlap_modules = {"experts": "shared"} if overlap else None
+        apply_expert_parallel(moe, meshes.ep, ["experts"], config, overlap_modules=overlap_modules)
 
         def all_to_all(*args, **kwargs):  # what the linked combine's backward calls
             in_flight.append(real_all_to_all(*args, **kwargs))
@@ -216,12 +218,16 @@ def test_dropless_dispatch_matches_unsharded_experts(world_size, routing):
         assert result["syncs"] == 1  # one device-to-host transfer per MoE layer and micro-batch
         assert result["unwaited"]  # the combine's output is still in flight when the caller gets it
         if world_size == 2:
-            # Overlapped: the reverse all-to-all goes out first and is still in flight while the
-            # shared layer's backward runs; the experts' backward, its user, waits. Bitwise equal.
-            assert result["events_overlapped"] == ["all_to_all", "shared, in flight [True]", "experts"], result
-            assert result["events_plain"] == ["shared, in flight []", "experts"], result
-            assert result["overlap_diff"] == 0.0, result
-            assert "used (aten.mul.Tensor) before the module named to overlap" in result["misuse"], result
+            _assert_overlapped(result)
+
+
+def _assert_overlapped(result):
+    # Overlapped: the reverse all-to-all goes out first and is still in flight while the shared
+    # layer's backward runs; the experts' backward, its user, waits. Bitwise equal.
+    assert result["events_overlapped"] == ["all_to_all", "shared, in flight [True]", "experts"], result
+    assert result["events_plain"] == ["shared, in flight []", "experts"], result
+    assert result["overlap_diff"] == 0.0, result
+    assert "used (aten.mul.Tensor) before the module named to overlap" in result["misuse"], result
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -230,6 +236,8 @@ def test_capacity_above_the_largest_load_equals_dropless_without_host_syncs(worl
     for result in run_on_ranks(_check, world_size, float(E), timeout=120):
         assert result["y"] < 1e-5 and result["dx"] < 1e-5 and result["w"] < 1e-5, result
         assert result["syncs"] == 0  # a static all-to-all: nothing waits on the host
+        if world_size == 2:
+            _assert_overlapped(result)
 
 
 def test_tokens_over_capacity_are_dropped_and_counted():
@@ -238,6 +246,7 @@ def test_tokens_over_capacity_are_dropped_and_counted():
         assert result["dropped_zero"] and result["kept_y"] < 1e-5 and result["syncs"] == 0, result
         # The same step compiled whole (fullgraph=True): the same values, the drops counted once.
         assert result["compiled_err"] < 1e-5 and result["compiled_dropped"] == result["expected_dropped"], result
+        _assert_overlapped(result)  # with tokens dropped too
 
 
 def test_tp_row_shares_cover_the_rows_once_and_count_experts_on_the_device():

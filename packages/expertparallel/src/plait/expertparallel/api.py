@@ -179,12 +179,9 @@ class _DispatchHooks:
         return (x_padded, m_sizes), kwargs
 
     def after(self, module, args, y_padded_PD):
-        if self.deferred:  # dropless only: CapacityDispatcher.combine has no deferred form
-            # Data parallel on the experts themselves (expert FSDP, replicate) unshards them before
-            # their backward from a hook on this output: it must carry autograd history now.
-            y_ND = self.dispatcher.combine(y_padded_PD, deferred=not isinstance(module, FSDPModule))
-        else:
-            y_ND = self.dispatcher.combine(y_padded_PD)
+        # Data parallel on the experts themselves (expert FSDP, replicate) unshards them before
+        # their backward from a hook on this output: it must carry autograd history now.
+        y_ND = self.dispatcher.combine(y_padded_PD, deferred=self.deferred and not isinstance(module, FSDPModule))
         return y_ND if self.split is None else restore_share(y_ND, self._shares.pop())
 
     def link(self, module, args, output):
@@ -229,8 +226,8 @@ def apply_expert_parallel(
     already split their hidden dim) pass `ep_etp_mesh`, the 2-D (ep, etp) mesh they end up on.
 
     `overlap_modules` (`parallel_info()["expert_overlap"]`): experts path -> a module the MoE runs
-    after the experts call and before it first uses their output (the shared experts). Dropless
-    then links the combine to autograd when that module has run, so the combine's reverse
+    after the experts call and before it first uses their output (the shared experts). The
+    combine (dropless and capacity) is then linked to autograd when that module has run, so its reverse
     all-to-all overlaps that module's backward as its forward all-to-all overlaps its forward.
     Same values and gradients; skipped under TP row shares (etp = 1), torch.compile, and for
     experts that data parallel wraps themselves (expert FSDP, replicate)."""
@@ -262,7 +259,7 @@ def apply_expert_parallel(
             )
         if hasattr(module, "pad_groups"):
             module.pad_groups = False  # the dispatcher hands it aligned groups
-        deferred = path in overlaps and config.capacity_factor == 0 and split is None
+        deferred = path in overlaps and split is None
         hooks = _DispatchHooks(dispatcher, split, config.capacity_factor > 0 and _takes_group_rows(module), deferred)
         module.register_forward_pre_hook(hooks.before, with_kwargs=True)
         module.register_forward_hook(hooks.after)

@@ -20,7 +20,10 @@ import math
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+from .dispatch import _CombineInFlight
 
 
 def capacity_per_expert(num_rows: int, num_experts: int, factor: float, alignment: int = 1) -> int:
@@ -54,6 +57,7 @@ class CapacityDispatcher:
         self.host_syncs = 0  # only the row-count checks (none with capacity_rows; else once per count)
         self.dropped: torch.Tensor | None = None  # device scalar: (token, choice) pairs dropped so far
         self._pending: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        self._deferred: list[tuple] = []  # a combine waiting for link_deferred()
 
     def dispatch(self, x_ND: torch.Tensor, num_tokens_per_expert_E: torch.Tensor, capacity_rows: int | None = None):
         """`capacity_rows`: the row count the capacity is sized by when ranks route different
@@ -103,13 +107,65 @@ class CapacityDispatcher:
             )
         self._rows_checked = rows
 
-    def combine(self, y_padded_PD: torch.Tensor) -> torch.Tensor:
-        # Unlike dropless, the rows come back in slot order and the gather into the caller's
-        # order must wait for them here, so the shared experts cannot overlap this all-to-all.
+    def combine(self, y_padded_PD: torch.Tensor, deferred: bool = False) -> torch.Tensor:
+        """The local experts' outputs -> this rank's rows, in dispatch's input order (dropped rows
+        zero). The rows come back in slot order and their gather into the caller's order needs the
+        all-to-all's output, so the plain path waits here. `deferred` (as the dropless
+        dispatcher's): the rows come back as a tensor still in flight, usable after
+        `link_deferred()` (the overlapped module's forward hook) waits, gathers them and joins them
+        to autograd. Not under torch.compile nor without autograd: the plain path there."""
         slot_N, kept_N, C = self._pending.pop()
         El, ep = self.num_local_experts, self.ep
         D = y_padded_PD.shape[-1]
         back = y_padded_PD.view(El, ep, C, D).transpose(0, 1).reshape(ep * El * C, D)
-        returned = all_to_all_single_autograd(back, None, None, self.group)  # [E * C, D], this rank's rows
-        returned = torch.cat([returned, returned.new_zeros(1, D)])  # the dump slot reads zeros
-        return returned[slot_N] * kept_N[:, None].to(returned.dtype)
+        if not deferred or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            returned = all_to_all_single_autograd(back, None, None, self.group)  # [E * C, D], this rank's rows
+            returned = torch.cat([returned, returned.new_zeros(1, D)])  # the dump slot reads zeros
+            return returned[slot_N] * kept_N[:, None].to(returned.dtype)
+        self.drop_deferred()  # one never linked was left by a recomputation stopped early
+        even = [El * C] * ep  # the static blocks, both ways
+        returned = torch.ops._c10d_functional.all_to_all_single(back.detach(), even, even, self.group.group_name)
+        combined_ND = _CombineInFlight(returned, shape=torch.Size((slot_N.shape[0], D)))
+        self._deferred.append((back, combined_ND, slot_N, kept_N))
+        return combined_ND
+
+    def link_deferred(self) -> None:
+        """Wait for the deferred combine's rows, gather them and give them their autograd history
+        (no-op when there is none)."""
+        if self._deferred:
+            back, combined_ND, slot_N, kept_N = self._deferred.pop()
+            _LinkCapacityCombined.apply(back, combined_ND, slot_N, kept_N, self.group)
+
+    def drop_deferred(self) -> int:
+        """Wait for and forget an unlinked combine; returns how many there were."""
+        for _, combined_ND, _, _ in self._deferred:
+            torch.ops._c10d_functional.wait_tensor(combined_ND.buffer_ND)
+        dropped, self._deferred = len(self._deferred), []
+        return dropped
+
+
+class _LinkCapacityCombined(torch.autograd.Function):
+    """Capacity mode's deferred combine joined to autograd in place (dispatch.py's `_LinkCombined`
+    with the gather by slot): forward waits for the all-to-all and gathers the rows into the
+    tensor the caller holds; backward scatters the gradient to the slots and sends it back
+    un-waited (the experts' backward, its first user, waits)."""
+
+    @staticmethod
+    def forward(ctx, back_SD, combined_ND, slot_N, kept_N, group):
+        returned_SD = torch.ops._c10d_functional.wait_tensor(combined_ND.buffer_ND)
+        returned_SD = torch.cat([returned_SD, returned_SD.new_zeros(1, returned_SD.shape[1])])  # dump slot: zeros
+        combined_ND.buffer_ND = returned_SD[slot_N] * kept_N[:, None].to(returned_SD.dtype)
+        combined_ND.linked = True
+        ctx.save_for_backward(slot_N, kept_N)
+        ctx.slots, ctx.group = back_SD.shape[0], group
+        ctx.mark_dirty(combined_ND)
+        return combined_ND
+
+    @staticmethod
+    def backward(ctx, grad_ND):
+        slot_N, kept_N = ctx.saved_tensors
+        grad_ND = grad_ND * kept_N[:, None].to(grad_ND.dtype)
+        # Kept rows have distinct slots; dropped ones all go to the dump slot, cut off here.
+        grad_SD = grad_ND.new_zeros(ctx.slots + 1, grad_ND.shape[1]).index_add_(0, slot_N, grad_ND)[: ctx.slots]
+        back_SD = funcol.all_to_all_single(grad_SD.contiguous(), None, None, ctx.group)
+        return back_SD, None, None, None, None

@@ -77,9 +77,13 @@ class _CombineInFlight(torch.Tensor):
     it, every op runs on the rows themselves."""
 
     @staticmethod
-    def __new__(cls, buffer_ND: torch.Tensor):
+    def __new__(cls, buffer_ND: torch.Tensor, shape: torch.Size | None = None):
+        """`buffer_ND`: the rows being filled; or, with `shape`, any tensor of their dtype and
+        device, and the link sets the rows (capacity mode gathers them from the all-to-all's output)."""
+        shape = buffer_ND.shape if shape is None else shape
         t = torch.Tensor._make_wrapper_subclass(
-            cls, buffer_ND.shape, strides=buffer_ND.stride(), dtype=buffer_ND.dtype, device=buffer_ND.device
+            cls, shape, strides=torch.empty(shape, device="meta").stride(), dtype=buffer_ND.dtype,
+            device=buffer_ND.device,
         )
         t.buffer_ND, t.linked = buffer_ND, False
         return t
