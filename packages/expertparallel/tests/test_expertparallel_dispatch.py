@@ -207,7 +207,12 @@ def _compiled_capacity(meshes, config, x, counts, y_eager, eager):
     errors = [(yc.detach() - y_eager.detach()).abs().max(), (xc.grad - x.grad).abs().max()]
     for n in ("w1", "w2", "w3"):
         errors.append((getattr(holder.experts, n).grad.to_local() - getattr(eager.experts, n).grad.to_local()).abs().max())
-    return dict(compiled_err=max(e.item() for e in errors), compiled_dropped=int(dispatcher.dropped))
+    dropped_once = int(dispatcher.dropped)
+    # The next step replays the same graph: nothing the dispatcher keeps (its drop count) changes type.
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled(xc, counts).sum().backward()
+    return dict(compiled_err=max(e.item() for e in errors), compiled_dropped=dropped_once,
+                compiled_dropped_twice=int(dispatcher.dropped))
 
 
 @pytest.mark.parametrize("world_size, routing", [(2, "random"), (4, "random"), (4, "one_expert")])
@@ -246,6 +251,7 @@ def test_tokens_over_capacity_are_dropped_and_counted():
         assert result["dropped_zero"] and result["kept_y"] < 1e-5 and result["syncs"] == 0, result
         # The same step compiled whole (fullgraph=True): the same values, the drops counted once.
         assert result["compiled_err"] < 1e-5 and result["compiled_dropped"] == result["expected_dropped"], result
+        assert result["compiled_dropped_twice"] == 2 * result["expected_dropped"], result  # and no recompile
         _assert_overlapped(result)  # with tokens dropped too
 
 

@@ -251,7 +251,7 @@ def apply_expert_parallel(
         if config.capacity_factor > 0:
             dispatcher = CapacityDispatcher(
                 ep_mesh.get_group(), num_experts, config.capacity_factor, alignment, config.capacity_rows,
-                check_rows=not config.rows_equal_by_construction,
+                check_rows=not config.rows_equal_by_construction, device=ep_mesh.device_type,
             )
         else:
             dispatcher = AllToAllDispatcher(

@@ -44,6 +44,7 @@ class CapacityDispatcher:
         alignment: int = 1,
         capacity_rows: int | None = None,
         check_rows: bool = True,
+        device: torch.device | str = "cpu",
     ):
         self.group = group
         self.ep = dist.get_world_size(group)
@@ -55,7 +56,9 @@ class CapacityDispatcher:
         self.check_rows = check_rows and capacity_rows is None
         self._rows_checked: int | None = None  # the row count last found equal on every ep rank
         self.host_syncs = 0  # only the row-count checks (none with capacity_rows; else once per count)
-        self.dropped: torch.Tensor | None = None  # device scalar: (token, choice) pairs dropped so far
+        # Device scalar: (token, choice) pairs dropped so far. A tensor from the start, so that a
+        # compiled dispatch sees the same type on every call (None at first recompiled the block).
+        self.dropped = torch.zeros((), dtype=torch.int64, device=device)
         self._pending: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         self._deferred: list[tuple] = []  # a combine waiting for link_deferred()
 
@@ -82,8 +85,7 @@ class CapacityDispatcher:
         # the count is a graph output applied once per call, a recomputation inside the compiled
         # backward does not apply it again.
         if torch.is_grad_enabled() and (torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1):
-            dropped = (~kept_N).sum()
-            self.dropped = dropped if self.dropped is None else self.dropped + dropped
+            self.dropped = self.dropped + (~kept_N).sum()
         send = x_ND.new_zeros(E * C + 1, D).index_copy(0, slot_N, x_ND)[: E * C]  # [ep * El * C, D]
         received = all_to_all_single_autograd(send, None, None, self.group)  # [ep(src), El, C, D]
         # Expert-major for the grouped GEMM: [El, ep(src), C, D], every expert ep * C rows.
