@@ -114,6 +114,10 @@ class TrainingConfig:
     and no data-dependent shape (dense models; MoE in expert capacity mode, not dropless expert
     parallel) and parameters at fixed addresses (no FSDP / HSDP: they free and re-allocate the
     unsharded parameters every step). On CPU it is the default mode (no CUDA graphs)."""
+    compile_comm_overlap: bool = True
+    """compile_mode = default: inductor moves independent compute between each collective inside a
+    compiled block (expert parallel's all-to-alls, tensor parallel's collectives) and its wait
+    (reorder_for_compute_comm_overlap). The same ops, reordered."""
     activation_checkpoint: Literal["none", "full", "selective"] = "none"
     """Recompute activations in backward. full: keep only block inputs. selective: op-level, keep
     matmul and attention outputs, recompute the rest (norms, activations, RoPE)."""

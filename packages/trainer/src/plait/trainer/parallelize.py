@@ -35,6 +35,13 @@ class ParallelModel:
     stages: list | None = None  # pipeline parallel: this rank's plait.pipelineparallel Stages
 
 
+def compile_kwargs(training) -> dict:
+    """torch.compile's arguments for each block (`training.compile_mode`, `compile_comm_overlap`)."""
+    if training.compile_mode != "default":
+        return {"mode": training.compile_mode}  # torch takes a mode or inductor options, not both
+    return {"options": {"reorder_for_compute_comm_overlap": True}} if training.compile_comm_overlap else {}
+
+
 def _dtype(config: Config) -> torch.dtype:
     return torch.bfloat16 if config.training.dtype == "bfloat16" else torch.float32
 
@@ -120,9 +127,8 @@ def _parallelize(config: Config, plan: RunPlan, meshes: Meshes, device: torch.de
         model, blocks, config.training.activation_checkpoint, config.training.activation_checkpoint_every
     )
     if config.training.compile:
-        mode = None if config.training.compile_mode == "default" else config.training.compile_mode
         for path in blocks:
-            model.get_submodule(path).compile(mode=mode)
+            model.get_submodule(path).compile(**compile_kwargs(config.training))
 
     dp_config = data_parallel_config(config, device.type)
     dp_mode = data_parallel_mode(meshes.dims, dp_config)

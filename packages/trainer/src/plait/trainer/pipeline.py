@@ -113,7 +113,7 @@ def parallelize_pipeline(config: Config, plan: RunPlan, meshes: Meshes, device: 
     from plait.dataparallel import apply_data_parallel
     from plait.dataparallel.config import data_parallel_mode
 
-    from .parallelize import ParallelModel, _dtype, _init, data_parallel_config
+    from .parallelize import ParallelModel, _dtype, _init, compile_kwargs, data_parallel_config
 
     pp_module = plan.parallel_modules["pp"]
     p = config.parallelism
@@ -143,7 +143,7 @@ def parallelize_pipeline(config: Config, plan: RunPlan, meshes: Meshes, device: 
         )
         if config.training.compile:
             for path in stage.blocks:
-                module.get_submodule(path).compile()
+                module.get_submodule(path).compile(**compile_kwargs(config.training))
         apply_data_parallel(
             module, meshes, stage.blocks, dp_config, expert_modules=_owned(info.get("experts", ()), module),
             edge_units=stage.edge_units if dp_mode in ("fsdp", "hsdp") else (),
