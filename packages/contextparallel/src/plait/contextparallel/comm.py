@@ -11,12 +11,17 @@ import torch.distributed as dist
 # which is the same on every rank here. Forward K/V and backward dK/dV use their own tags.
 KV_TAG, GRAD_TAG = 11, 12
 
+# torch 2.13 names the flat collectives *_single (the *_tensor names warn there); torch <= 2.12,
+# the GPU machines' 2.11 among them, has only the *_tensor names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def all_gather(x: torch.Tensor, group, world: int) -> torch.Tensor:
     """[...] on every rank -> [world, ...] (rank-major)."""
     x = x.contiguous()
     out = torch.empty((world, *x.shape), dtype=x.dtype, device=x.device)
-    dist.all_gather_single(out.flatten(0, 1), x, group=group)  # the backends gather along dim 0
+    _all_gather_flat(out.flatten(0, 1), x, group=group)  # the backends gather along dim 0
     return out
 
 
@@ -24,7 +29,7 @@ def reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
     """[world, ...] summed over ranks -> this rank's [...]."""
     x = x.contiguous()
     out = torch.empty(x.shape[1:], dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_single(out, x.flatten(0, 1), group=group)
+    _reduce_scatter_flat(out, x.flatten(0, 1), group=group)
     return out
 
 
