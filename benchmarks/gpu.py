@@ -2,7 +2,8 @@
 torchtitan 0.3.0 where it is installed), bf16, torch.compile, selective activation checkpointing.
 
     python benchmarks/gpu.py [--steps 30] [--warmup 10] [--only llama3-1B,llama3-8B,deepseek-16B]
-        [--layers-8b 8] [--layers-1b 16] [--layers-16b 4] [--modes compile] [--no-results]
+        [--layers-8b 8] [--layers-1b 16] [--layers-16b 4] [--modes compile] [--attention-mask causal]
+        [--no-results]
 
 `--modes eager,compile,cudagraphs` runs plait once per mode (cudagraphs: training.compile_mode =
 reduce-overhead, each compiled block replayed as a CUDA graph; docs/cuda_graphs.md), torchtitan
@@ -18,13 +19,14 @@ peak (989 TFLOP/s for H100 SXM, from plait's table). The anchor is torchtitan's 
 MFU for Llama 3 8B on H100 (FSDP, compile, bf16); a reduced-depth model on one GPU has relatively
 more embedding/output work, which the MFU formula does not count, so it reads a little lower.
 
-No hub download: text is plait's built-in corpus, tokens from the shipped 2048-id BPE (the models
-keep their full vocabularies, so the output layer costs what it costs in a real run). Each run is
-a `plait-train` subprocess; figures are medians over the steps after the warmup (compile and
-autotuning). torchtitan runs when `import torchtitan` works (same dims and depth, through
-torchtitan_gpu.py, its own defaults otherwise); where it does not install (no network on the GPU
-host) the table says so. With results on, a dated section (GPU, commit, torch) is appended to
-benchmarks/RESULTS.md.
+Attention is causal by default (torchtitan's default, so the two compare); `--attention-mask
+document` takes the shipped configs' document masking. No hub download: text is plait's built-in
+corpus, tokens from the shipped 2048-id BPE (the models keep their full vocabularies, so the output
+layer costs what it costs in a real run). Each run is a `plait-train` subprocess; figures are
+medians over the steps after the warmup (compile and autotuning). torchtitan runs when `import
+torchtitan` works (same dims and depth, through torchtitan_gpu.py, its own defaults otherwise);
+where it does not install (no network on the GPU host) the table says so. With results on, a dated
+section (GPU, commit, torch) is appended to benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -69,13 +71,16 @@ def run_plait(name: str, args, workdir: Path, mode: str = "compile") -> dict:
            "--training.seq_len", str(seq), "--training.local_batch_size", str(batch),
            "--training.dtype", "bfloat16", *MODES[mode],
            "--training.activation_checkpoint", "selective", "--training.steps", str(args.steps),
-           "--metrics.log_freq", "1", "--metrics.tensorboard", "false", "--checkpoint.enable", "false", "--checkpoint.interval", "0",
+           "--metrics.log_freq", "1", "--metrics.tensorboard", "false",
+           "--checkpoint.enable", "false", "--checkpoint.interval", "0",
            "--data.val_interval", "0", "--data.dataset", "builtin", "--data.streaming", "false",
+           "--model.attention_mask", args.attention_mask,
            "--parallelism.ep", "1"]  # fmt: skip  (one GPU: no expert parallel; the configs' c4 needs the hub)
     log = workdir / f"{name}-{mode}.log"
     print(f"[gpu] {name}: {' '.join(cmd)}", flush=True)
     with open(log, "w") as f:
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")).returncode
+        env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
     if rc != 0:
         tail = log.read_text().splitlines()[-15:]
         print("\n".join(tail), flush=True)
@@ -141,6 +146,8 @@ def main() -> None:
     parser.add_argument("--layers-8b", type=int, default=8)
     parser.add_argument("--layers-16b", type=int, default=4)
     parser.add_argument("--modes", default="compile", help=f"comma-separated plait modes of {','.join(MODES)}")
+    parser.add_argument("--attention-mask", choices=("causal", "document"), default="causal",
+                        help="causal: torchtitan's default, comparable; document: the shipped configs' masking")
     parser.add_argument("--no-results", action="store_true")
     args = parser.parse_args()
     import torch
@@ -159,7 +166,7 @@ def main() -> None:
             print(lines[-1], flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, cwd=REPO)
     header = (f"## GPU benchmark, {datetime.date.today()} (`benchmarks/gpu.py`)\n\n{gpu}; torch {torch.__version__}; "
-              f"commit {commit.stdout.strip() or 'unknown'}; bf16, compile, selective AC, 1 GPU; "
+              f"commit {commit.stdout.strip() or 'unknown'}; bf16, selective AC, {args.attention_mask} attention, 1 GPU; "
               f"{args.steps} steps, {args.warmup} warmup.\n")  # fmt: skip
     text = header + "\n" + "\n".join(lines) + "\n"
     print("\n" + text)

@@ -2,6 +2,7 @@
 with one device-to-host copy per flush whatever their number."""
 
 import json
+import time
 
 import torch
 
@@ -37,3 +38,27 @@ def test_extra_step_values_are_written_per_step(tmp_path, capsys):
     tags = set(events.Tags()["scalars"])
     assert {"moe_imbalance/0", "moe_imbalance/1", "moe_host_syncs", "moe_dropped", "loss"} <= tags
     assert [e.value for e in events.Scalars("moe_imbalance/1")] == [1.25, 2.0]
+
+
+def test_step_time_includes_waiting_for_the_device(tmp_path):
+    """On a GPU a step that never blocks the host returns once its kernels are queued; the flush's
+    device-to-host copy is where the host waits for them. The window's time must be read after that
+    wait (read before it, an H100 run reported 465 % MFU). Here the wait is a slow `_to_host`."""
+    wait_s = 0.3
+
+    class SlowDevice(MetricsLogger):
+        def _to_host(self, w):
+            time.sleep(wait_s)  # the queued kernels finishing
+            return super()._to_host(w)
+
+    logger = SlowDevice(
+        dump_folder=str(tmp_path), rank=0, world_size=1, device=torch.device("cpu"), loss_mesh=None,
+        tokens_per_step_per_rank=128, flops_per_token=1e6, peak_tflops_per_rank=1.0, tensorboard=False,
+        total_steps=2, progress_bar=False,
+    )  # fmt: skip
+    for step in (1, 2):
+        logger.record(step, torch.tensor(1.0), torch.tensor(0.5), 1e-3, 0.0)
+    rows = logger.flush()
+    logger.close()
+    assert all(r["step_time_s"] >= wait_s / 2 for r in rows), [r["step_time_s"] for r in rows]
+    assert rows[0]["tokens_per_second"] <= 128 / (wait_s / 2)

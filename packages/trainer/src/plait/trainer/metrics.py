@@ -162,15 +162,10 @@ class MetricsLogger:
         w = self.window
         if not w.steps:
             return []
+        values, extras = self._to_host(w)
+        # Read the clock only now: the copy above waited for every kernel the window's steps queued.
+        # Read before it, a GPU step that never blocks the host would be timed by its launches alone.
         elapsed = time.perf_counter() - w.start - w.excluded_s
-        losses = torch.stack(w.losses)
-        if self.loss_mesh is not None:
-            # The one collective of a log step: the mean loss over every rank that saw different data.
-            # (SUM then divide: gloo has no AVG.)
-            dist.all_reduce(losses, op=dist.ReduceOp.SUM, group=self.loss_mesh.get_group())
-            losses = losses / self.loss_mesh.size()
-        values = torch.stack([losses, torch.stack(w.grad_norms)]).cpu().tolist()
-        extras = _extras_to_host(w.extras, losses.device)
         n = len(w.steps)
         step_s = elapsed / n
         tps_rank = self.tokens_per_rank / step_s
@@ -199,6 +194,18 @@ class MetricsLogger:
         if self.rank == 0:
             self._write(rows)
         return rows
+
+    def _to_host(self, w: _Window) -> tuple[list[list[float]], list[dict]]:
+        """The window's losses (averaged over the loss mesh), grad norms and extras on the host: the
+        flush's host sync."""
+        losses = torch.stack(w.losses)
+        if self.loss_mesh is not None:
+            # The one collective of a log step: the mean loss over every rank that saw different data.
+            # (SUM then divide: gloo has no AVG.)
+            dist.all_reduce(losses, op=dist.ReduceOp.SUM, group=self.loss_mesh.get_group())
+            losses = losses / self.loss_mesh.size()
+        values = torch.stack([losses, torch.stack(w.grad_norms)]).cpu().tolist()
+        return values, _extras_to_host(w.extras, losses.device)
 
     def _write(self, rows: list[dict]) -> None:
         for row in rows:
