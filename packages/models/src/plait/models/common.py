@@ -47,22 +47,27 @@ class ScaledDotProductAttention(nn.Module):
 # eagerly (like context parallel's attention), and the kernels inside are the same as causal's.
 @torch.compiler.disable
 def document_attention(q_BHSD, k_BGSD, v_BGSD, document_positions_BS, scale: float | None) -> torch.Tensor:
-    """Block-diagonal causal attention over the segments of each row (autograd through slices)."""
+    """Block-diagonal causal attention over the segments of each row.
+
+    The rows and segments are cut with `split`, not slices: autograd then joins the pieces'
+    gradients with one `cat`, where a slice's backward writes its piece into a zero tensor of the
+    whole input's size (one such tensor, and one add, per segment, per q, k and v)."""
     B, _, S, _ = q_BHSD.shape
     check_document_positions(document_positions_BS, B, S)
     segments = row_segments(document_positions_BS)
     if segments.count(segments[0]) == B:  # every row cut the same way: batch the calls
-        row_groups = [(slice(0, B), segments[0])]
+        row_groups = [(q_BHSD, k_BGSD, v_BGSD, segments[0])]
     else:
-        row_groups = [(slice(b, b + 1), segments[b]) for b in range(B)]
+        row_groups = zip(q_BHSD.split(1), k_BGSD.split(1), v_BGSD.split(1), segments, strict=True)
     rows_out = []
-    for rows, bounds in row_groups:
+    for q, k, v, bounds in row_groups:
         if len(bounds) == 2:  # one segment: plain causal attention over the row
-            rows_out.append(causal_attention(q_BHSD[rows], k_BGSD[rows], v_BGSD[rows], scale))
+            rows_out.append(causal_attention(q, k, v, scale))
             continue
+        lengths = [e - s for s, e in zip(bounds, bounds[1:])]
         pieces = [
-            causal_attention(q_BHSD[rows, :, s:e], k_BGSD[rows, :, s:e], v_BGSD[rows, :, s:e], scale)
-            for s, e in zip(bounds, bounds[1:])
+            causal_attention(q_piece, k_piece, v_piece, scale)
+            for q_piece, k_piece, v_piece in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2))
         ]
         rows_out.append(torch.cat(pieces, dim=2))
     return rows_out[0] if len(rows_out) == 1 else torch.cat(rows_out, dim=0)
