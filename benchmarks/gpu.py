@@ -3,7 +3,7 @@ torchtitan 0.3.0 where it is installed), bf16, torch.compile, selective activati
 
     python benchmarks/gpu.py [--steps 30] [--warmup 10] [--only llama3-1B,llama3-8B,deepseek-16B]
         [--layers-8b 8] [--layers-1b 16] [--layers-16b 4] [--modes compile] [--attention-mask causal]
-        [--no-results]
+        [--profile] [--no-results]
 
 `--modes eager,compile,cudagraphs` runs plait once per mode (cudagraphs: training.compile_mode =
 reduce-overhead, each compiled block replayed as a CUDA graph; docs/cuda_graphs.md), torchtitan
@@ -47,6 +47,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 from common import ANSI, CORPUS_DIR, TT_STEP  # noqa: E402
+from profile_summary import device_busy  # noqa: E402
 
 CONFIGS = {
     # name -> (plait config file, layers option, seq_len, local batch, torchtitan module/flavor)
@@ -76,6 +77,8 @@ def run_plait(name: str, args, workdir: Path, mode: str = "compile") -> dict:
            "--data.val_interval", "0", "--data.dataset", "builtin", "--data.streaming", "false",
            "--model.attention_mask", args.attention_mask,
            "--parallelism.ep", "1"]  # fmt: skip  (one GPU: no expert parallel; the configs' c4 needs the hub)
+    if args.profile:  # the last step, with CUDA activity: host time vs GPU busy time
+        cmd += ["--metrics.profile_interval", str(args.steps)]
     log = workdir / f"{name}-{mode}.log"
     print(f"[gpu] {name}: {' '.join(cmd)}", flush=True)
     with open(log, "w") as f:
@@ -87,7 +90,12 @@ def run_plait(name: str, args, workdir: Path, mode: str = "compile") -> dict:
         return {"error": f"exit {rc}: {tail[-1] if tail else ''}"[:200]}
     rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     kept = [r for r in rows if r["step"] > args.warmup and "tokens_per_second" in r]
+    traces = sorted((dump / "profile").glob("step*_rank0.json")) if args.profile else []
+    busy = device_busy(traces[-1]) if traces else None
+    if busy:
+        print(f"[gpu] {name} {mode} profiled step: {busy}", flush=True)
     return {
+        "busy": busy,
         "tokens_per_second": statistics.median(r["tokens_per_second"] for r in kept),
         "mfu": statistics.median(r["mfu"] for r in kept),
         "memory_gib": max(r["memory_gib"] for r in kept),
@@ -133,8 +141,13 @@ def run_torchtitan(name: str, args, workdir: Path) -> dict:
 def _row(name: str, side: str, r: dict) -> str:
     if "error" in r:
         return f"| {name} | {side} | - | - | - | {r['error']} |"
+    note = r.get("layers", "")
+    if r.get("busy"):  # the profiled step (profiler overhead included): GPU busy / host time
+        b = r["busy"]
+        note = (f"{note}; profiled step: host {b['host_step_ms']:.0f} ms, GPU busy {b['device_busy_ms']:.0f} "
+                f"of {b['device_span_ms']:.0f} ms")
     return (f"| {name} | {side} | {r['tokens_per_second']:,.0f} | {r['mfu']:.1%} | {r['memory_gib']:.1f} | "
-            f"{r.get('layers', '')} |")  # fmt: skip
+            f"{note} |")  # fmt: skip
 
 
 def main() -> None:
@@ -148,6 +161,8 @@ def main() -> None:
     parser.add_argument("--modes", default="compile", help=f"comma-separated plait modes of {','.join(MODES)}")
     parser.add_argument("--attention-mask", choices=("causal", "document"), default="causal",
                         help="causal: torchtitan's default, comparable; document: the shipped configs' masking")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile plait's last step: host time vs GPU busy time (host-bound or kernel-bound)")
     parser.add_argument("--no-results", action="store_true")
     args = parser.parse_args()
     import torch

@@ -107,6 +107,34 @@ def summarize(trace_path: Path) -> dict:
     return summary
 
 
+def device_busy(trace_path: Path) -> dict | None:
+    """A CUDA trace's profiled step: its host time next to the time the GPU was busy (the union of
+    its kernels', copies' and memsets' intervals); busy / host well below 1 means the step is
+    host-bound (launches, Python), near 1 kernel-bound. None for a CPU trace (no device events).
+    The trainer's profile records one active step, so every device event in it is that step's."""
+    events = json.loads(Path(trace_path).read_text())["traceEvents"]
+    spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    device = sorted((e for e in spans if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    steps = [e for e in spans if e["name"].startswith("ProfilerStep#")]
+    if not device or not steps:
+        return None
+    busy, end = 0.0, float("-inf")
+    for e in device:  # union of intervals, in start order
+        start, stop = max(e["ts"], end), e["ts"] + e["dur"]
+        busy += max(0.0, stop - start)
+        end = max(end, stop)
+    per_kernel: dict[str, float] = defaultdict(float)
+    for e in device:
+        per_kernel[e["name"][:60]] += e["dur"]
+    return {
+        "host_step_ms": max(e["dur"] for e in steps) / 1e3,
+        "device_busy_ms": busy / 1e3,
+        "device_span_ms": (end - device[0]["ts"]) / 1e3,
+        "device_events": len(device),
+        "top_kernels": sorted(((n, t / 1e3) for n, t in per_kernel.items()), key=lambda x: -x[1])[:5],
+    }
+
+
 def kernel_ms(summary: dict) -> float:
     return sum(summary[f"{c}_ms"] for c in KERNELS)
 
@@ -117,3 +145,6 @@ if __name__ == "__main__":
     for path in sys.argv[1:]:
         s = summarize(Path(path))
         print(path, {k: (round(v, 1) if isinstance(v, float) else v) for k, v in s.items()})
+        busy = device_busy(Path(path))
+        if busy:
+            print(path, "device:", {k: (round(v, 1) if isinstance(v, float) else v) for k, v in busy.items()})

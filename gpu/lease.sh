@@ -6,13 +6,14 @@
 #                                                              it), logs under $OUT
 #
 # What that python lacks (`datasets` and the two packages it needs beyond the image) travels as
-# wheels in .whl (git-ignored; `pip download --no-deps --python-version 3.12 ... datasets dill
-# multiprocess`, see the device tool's README). This checkout's packages go on PYTHONPATH, as
-# gpu/run.py does, so nothing is built there.
+# wheels in .whl (git-ignored): `bash gpu/wheels.sh` here first, then carry .whl. This checkout's
+# packages go on PYTHONPATH, as gpu/run.py does, so nothing is built there. The first lease
+# (2026-11-27, H100): the suite takes ~90 s, each benchmark run ~35 s, the machine's start ~30 s:
+# the defaults (150 s + 330 s) fit a device call with timeout_s 520, and leave room for one rerun.
 set -u
 OUT=${OUT:-/tmp/plait-gpu}
-SUITE_S=${1:-240}
-BENCH_S=${2:-240}
+SUITE_S=${1:-150}
+BENCH_S=${2:-330}
 shift 2 2>/dev/null
 mkdir -p "$OUT"
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -31,12 +32,15 @@ export PYTHONPATH PYTHONUNBUFFERED=1
 [ "$SUITE_S" -gt 0 ] && timeout -k 10 "$SUITE_S" python3 gpu/run.py -- --timeout=200 --durations=25 "$@" 2>&1 | tee "$OUT/suite.log"
 pkill -9 -f "pytest|plait.trainer" 2>/dev/null
 
-# Stage 2: bf16 tokens/s and MFU, DeepSeek-V3 16B dims (4 layers) in three modes, Llama 3 8B dims
-# (8 layers) compiled. Short runs: the medians of the steps after the warmup.
+# Stage 2: bf16 tokens/s and MFU, DeepSeek-V3 16B dims (4 layers) and Llama 3 8B dims (8 layers)
+# in eager / compile / CUDA graphs, causal (torchtitan's default) and the shipped document mask;
+# each run's last step profiled: host time vs GPU busy time. Short runs: medians after the warmup.
 [ "$BENCH_S" -gt 0 ] && timeout -k 10 "$BENCH_S" bash -c '
-    python3 benchmarks/gpu.py --only deepseek-16B --modes eager,compile,cudagraphs --steps 12 --warmup 5 --no-results
-    python3 benchmarks/gpu.py --only llama3-8B --modes compile --steps 12 --warmup 5 --no-results
-' 2>&1 | tee "$OUT/bench.log"
+    bench="python3 benchmarks/gpu.py --steps 12 --warmup 5 --no-results --profile"
+    $bench --only llama3-8B --modes compile,cudagraphs
+    $bench --only deepseek-16B --modes eager,compile,cudagraphs
+    $bench --only llama3-8B,deepseek-16B --modes compile --attention-mask document
+' 2>&1 | grep -v "^\[gpu\] .*: .*-m plait.trainer" | tee "$OUT/bench.log"
 pkill -9 -f "plait.trainer" 2>/dev/null
 nvidia-smi --query-gpu=memory.used --format=csv,noheader >>"$OUT/env.txt" 2>&1
 exit 0
