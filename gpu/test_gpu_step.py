@@ -75,6 +75,18 @@ def test_dense_llama_step_makes_no_host_sync(device, tmp_path):
         assert watch.cuda_syncs == [0] * 3
 
 
+def test_document_masked_llama_step_makes_no_host_sync(device, tmp_path):
+    """CUDA branch: plait/models/common.py:document_attention in the trainer's step (the loader reads
+    each row's segments on the host before the copy, to_device_with_segments) -- a document-masked
+    Llama step (one flash call per document, rows of several documents at seq 512) makes no
+    synchronizing CUDA call."""
+    args = [*LLAMA, *_bf16(device), "--model.attention_mask", "document", "--training.seq_len", "512"]
+    watch, rows = _run(tmp_path, device, "error", *args)
+    assert watch.step_counts() == [(0, 0)] * 3, watch.report()
+    if device.type == "cuda":
+        assert watch.cuda_syncs == [0] * 3, watch.cuda_messages[:5]
+
+
 @pytest.mark.parametrize("capacity", ["0", "2.0"], ids=["dropless", "capacity"])
 def test_moe_step_at_one_rank_makes_no_host_sync(device, tmp_path, capacity):
     """CUDA branch: plait/models/moe (grouped_mm experts, permute indices) at ep 1 -- no sync in
