@@ -60,11 +60,16 @@ def _category(name: str, ancestors: list[str]) -> str:
     return "python"  # user annotations (FSDP hooks, ProfilerStep itself): Python running between ops
 
 
-def summarize(trace_path: Path) -> dict:
-    """{"step_ms", "<category>_ms" for each category, "comm_total_ms", "top_ops": [(name, ms)]}."""
+def _spans_and_steps(trace_path: Path) -> tuple[list[dict], list[dict]]:
+    """A Chrome trace's complete spans, and the ProfilerStep# ones among them."""
     events = json.loads(Path(trace_path).read_text())["traceEvents"]
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
-    steps = [e for e in spans if e["name"].startswith("ProfilerStep#")]
+    return spans, [e for e in spans if e["name"].startswith("ProfilerStep#")]
+
+
+def summarize(trace_path: Path) -> dict:
+    """{"step_ms", "<category>_ms" for each category, "comm_total_ms", "top_ops": [(name, ms)]}."""
+    spans, steps = _spans_and_steps(trace_path)
     if not steps:
         raise ValueError(f"{trace_path}: no ProfilerStep# span")
     step = max(steps, key=lambda e: e["dur"])
@@ -112,10 +117,8 @@ def device_busy(trace_path: Path) -> dict | None:
     its kernels', copies' and memsets' intervals); busy / host well below 1 means the step is
     host-bound (launches, Python), near 1 kernel-bound. None for a CPU trace (no device events).
     The trainer's profile records one active step, so every device event in it is that step's."""
-    events = json.loads(Path(trace_path).read_text())["traceEvents"]
-    spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    spans, steps = _spans_and_steps(trace_path)
     device = sorted((e for e in spans if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
-    steps = [e for e in spans if e["name"].startswith("ProfilerStep#")]
     if not device or not steps:
         return None
     busy, end = 0.0, float("-inf")

@@ -17,8 +17,9 @@ BENCH_S=${2:-330}
 shift 2 2>/dev/null
 mkdir -p "$OUT"
 if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    SITE=$(mktemp -d)  # not under $OUT: what is there is sent back
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
+        && export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 fi
 PYTHONPATH=$(ls -d "$PWD"/packages/*/src | paste -sd:)${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONPATH PYTHONUNBUFFERED=1
@@ -28,9 +29,10 @@ export PYTHONPATH PYTHONUNBUFFERED=1
     git rev-parse --short=12 HEAD 2>/dev/null || true
 } 2>&1 | tee "$OUT/env.txt"
 
+# Each stage under `timeout`, which signals its whole process group at the limit: the pytest and
+# plait-train processes it started go with it.
 # Stage 1: every CUDA-only branch against its reference (a hung test fails at 200 s).
 [ "$SUITE_S" -gt 0 ] && timeout -k 10 "$SUITE_S" python3 gpu/run.py -- --timeout=200 --durations=25 "$@" 2>&1 | tee "$OUT/suite.log"
-pkill -9 -f "pytest|plait.trainer" 2>/dev/null
 
 # Stage 2: bf16 tokens/s and MFU, DeepSeek-V3 16B dims (4 layers) and Llama 3 8B dims (8 layers)
 # in eager / compile / CUDA graphs, causal (torchtitan's default) and the shipped document mask;
@@ -41,6 +43,5 @@ pkill -9 -f "pytest|plait.trainer" 2>/dev/null
     $bench --only deepseek-16B --modes eager,compile,cudagraphs
     $bench --only llama3-8B,deepseek-16B --modes compile --attention-mask document
 ' 2>&1 | grep -v "^\[gpu\] .*: .*-m plait.trainer" | tee "$OUT/bench.log"
-pkill -9 -f "plait.trainer" 2>/dev/null
 nvidia-smi --query-gpu=memory.used --format=csv,noheader >>"$OUT/env.txt" 2>&1
 exit 0
