@@ -53,6 +53,11 @@ def _rank_main(rank: int, world_size: int, store_path: str, payload: bytes, sys_
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120)
         )
+        # Every rank past its own connectFullMesh before any may tear down: a rank whose function
+        # makes no collective (and so exits at once) otherwise closed its sockets while a slower
+        # peer was still connecting, and that peer failed in init ("Connection closed by peer";
+        # seen once in CI on a loaded machine).
+        dist.barrier()
         try:
             result = fn(rank, world_size, *args, **kwargs)
         except BaseException:
