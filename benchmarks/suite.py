@@ -25,7 +25,8 @@ scaling on this machine; every figure a ratio measured in this one invocation.
    Where that is below the 1.5x target, the kernels, not the framework, set the limit.
 4. Scaling on this machine (2 cores in all, so ideal is 1.0x, not 2x): FSDP 1 -> 2 ranks at a
    fixed global batch; TP 2; CP 2 (all-gather and ring) at seq 4096; EP 2 vs EP 1; and, from the
-   2-rank profiles, communication exposed vs overlapped.
+   2-rank profiles, communication exposed vs overlapped, and how much of the exposed part was
+   waiting for the other rank to arrive (benchmarks/comm_skew.py).
 
 The script prints every table and appends them as a dated section (machine, commit, torch) to
 benchmarks/RESULTS.md (not with --no-results). torchtitan must be importable (the bench session
@@ -50,6 +51,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from comm_skew import peer_wait  # noqa: E402
 from common import (  # noqa: E402
     ANSI,
     CORPUS_DIR,
@@ -224,7 +226,13 @@ def profile_plait(config: Config, workdir: Path, name: str, compile: bool, at: i
     rc, _ = _measured(plait_cmd(config, dump, at, compile, profile_at=at), env, workdir / f"{name}-profile.log",
                       workdir)  # fmt: skip
     traces = sorted((dump / "profile").glob("*_rank0.json")) if rc == 0 else []
-    return summarize(traces[-1]) if traces else None
+    if not traces:
+        return None
+    summary = summarize(traces[-1])
+    every_rank = sorted(traces[-1].parent.glob(traces[-1].name.replace("_rank0", "_rank*")))
+    if len(every_rank) > 1:  # rank 0 first: "rank0" sorts before every other rank's name
+        summary["exposed_peer_late_ms"] = peer_wait(every_rank)[0]["exposed_peer_late_ms"]
+    return summary
 
 
 def _merge(into: Run, run: Run) -> None:
@@ -265,7 +273,17 @@ def machine() -> str:
     except OSError:
         pass
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{cpu}, {cores} cores"
+    return f"{cpu}, {cores} cores, {bf16_units()}"
+
+
+def bf16_units() -> str:
+    """Whether the CPU multiplies bf16 natively: without AVX512-BF16 or AMX, oneDNN emulates it and a
+    bf16 matmul took ~5x an fp32 one (Xeon without either, 2026-11-27), so bf16 runs are far more
+    matmul-bound there than on a CPU with them: compare bf16 numbers only between such machines."""
+    import torch
+
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return "native bf16 matmul" if native else "no native bf16 matmul (AVX512-BF16 / AMX absent)"
 
 
 def commit() -> str:
@@ -333,14 +351,17 @@ def report(args, runs: dict[str, Run], profiles: dict[str, dict]) -> str:
     comm = [(k, s) for k, s in profiles.items() if s["comm_total_ms"] > 0]
     if comm:
         out.append("Communication per step (rank 0): exposed = the training thread waiting in collectives; "
-                   "total = time a collective was in flight (gloo's thread).\n")
-        out.append("| config | mode | exposed ms | total ms | overlapped | exposed / step |")
-        out.append("|---|---|---|---|---|---|")
+                   "total = time a collective was in flight (gloo's thread); peer late = the part of exposed "
+                   "spent in a collective the other rank had not yet entered (`comm_skew.py`: no overlap "
+                   "hides it, only evener work before the collective).\n")  # fmt: skip
+        out.append("| config | mode | exposed ms | of it peer late | total ms | overlapped | exposed / step |")
+        out.append("|---|---|---|---|---|---|---|")
         for key, s in comm:
             _, name, mode = key.split(":")
             exposed, total = s["communication_ms"], s["comm_total_ms"]
             hidden = 1 - exposed / total if total else 0.0
-            out.append(f"| {name} | {mode} | {exposed:.0f} | {total:.0f} | {max(hidden, 0):.0%} | "
+            late = f"{s['exposed_peer_late_ms']:.0f}" if "exposed_peer_late_ms" in s else "-"
+            out.append(f"| {name} | {mode} | {exposed:.0f} | {late} | {total:.0f} | {max(hidden, 0):.0%} | "
                        f"{exposed / s['step_ms']:.0%} |")  # fmt: skip
         out.append("")
     syncs = {k: r.extra["host_syncs_per_step"] for k, r in runs.items() if "host_syncs_per_step" in r.extra}
