@@ -564,6 +564,13 @@ def test_layout_matches_its_reference(layout, model, dtype, runs, report):
             failures.append(f"compute kernels outside bf16 in {name}: " + "; ".join(run["off_dtype"]))
     if model == "deepseek_v3":
         imbalance = [r["moe_imbalance"] for r in rows]
+        ep_imbalance = [r.get("moe_ep_imbalance") for r in rows]
+        # A rank's rows are the sum of its experts': between perfect balance and the experts' max / mean.
+        if layout.dims().ep > 1 and not all(
+            e is not None and len(e) == MOE_LAYERS and all(1 - 1e-6 <= a <= b + 1e-6 for a, b in zip(e, x))
+            for e, x in zip(ep_imbalance, imbalance)
+        ):
+            failures.append(f"moe_ep_imbalance {ep_imbalance} not within [1, moe_imbalance {imbalance}] per layer")
         if not all(len(layer) == MOE_LAYERS for layer in imbalance):
             failures.append(f"moe_imbalance has not {MOE_LAYERS} layers: {imbalance}")
         elif dtype == "float32":

@@ -20,7 +20,8 @@ def _logger(tmp_path, tensorboard=True):
 def test_extra_step_values_are_written_per_step(tmp_path, capsys):
     logger = _logger(tmp_path)
     for step, imbalance in ((1, [1.5, 1.25]), (2, [1.0, 2.0])):
-        extra = {"moe_imbalance": torch.tensor(imbalance), "moe_host_syncs": 2, "moe_dropped": torch.tensor(step)}
+        extra = {"moe_imbalance": torch.tensor(imbalance), "moe_host_syncs": 2, "moe_dropped": torch.tensor(step),
+                 "moe_ep_imbalance": torch.tensor(imbalance) / 2 + 0.5}  # fmt: skip
         logger.record(step, torch.tensor(3.0 - step), torch.tensor(0.5), 1e-3, 0.0, extra)
     rows = logger.flush()
     logger.close()
@@ -29,7 +30,8 @@ def test_extra_step_values_are_written_per_step(tmp_path, capsys):
     assert [r["moe_dropped"] for r in rows] == [1, 2] and isinstance(rows[0]["moe_dropped"], int)
     written = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["moe_imbalance"] for r in written] == [[1.5, 1.25], [1.0, 2.0]]
-    assert "moe max/mean 2.00" in capsys.readouterr().out
+    assert [r["moe_ep_imbalance"] for r in rows] == [[1.25, 1.125], [1.0, 1.5]]
+    assert "moe max/mean 2.00 (ep rank 1.50)" in capsys.readouterr().out
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -62,3 +64,15 @@ def test_step_time_includes_waiting_for_the_device(tmp_path):
     logger.close()
     assert all(r["step_time_s"] >= wait_s / 2 for r in rows), [r["step_time_s"] for r in rows]
     assert rows[0]["tokens_per_second"] <= 128 / (wait_s / 2)
+
+
+def test_ep_rank_imbalance_sums_each_ranks_experts():
+    from plait.trainer.moe_step import ep_rank_rows, max_over_mean
+
+    # 2 layers x 4 experts on 2 EP ranks: rank 0 holds experts 0-1, rank 1 experts 2-3.
+    counts_LE = torch.tensor([[10.0, 30.0, 20.0, 20.0], [0.0, 0.0, 40.0, 40.0]])
+    rows_LR = ep_rank_rows(counts_LE, 2)
+    assert rows_LR.tolist() == [[40.0, 40.0], [0.0, 80.0]]
+    # Layer 0: experts uneven (30 / 20 = 1.5) but the ranks equal; layer 1: all on one rank.
+    assert max_over_mean(rows_LR).tolist() == [1.0, 2.0]
+    assert max_over_mean(counts_LE).tolist() == [1.5, 2.0]

@@ -227,6 +227,8 @@ class MetricsLogger:
         )
         if "moe_imbalance" in last:
             line += f"  moe max/mean {max(last['moe_imbalance']):.2f}"
+        if "moe_ep_imbalance" in last:
+            line += f" (ep rank {max(last['moe_ep_imbalance']):.2f})"
         if self.bar is not None:
             self.bar.update(len(rows))
             self.bar.set_postfix(loss=f"{last['loss']:.4f}", refresh=False)

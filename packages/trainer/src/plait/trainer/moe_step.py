@@ -5,7 +5,10 @@ load-balance bias update, and the step's MoE metrics.
   (dp x cp; TP ranks route the same tokens inside the MoE's TP region, expert parallel moves
   tokens but not routing decisions), so every rank applies the same bias update.
 - Metrics per step, all on the device until the metrics flush: load imbalance per MoE layer
-  (max / mean tokens per expert, from those same summed counts; 1.0 is perfect balance),
+  (max / mean tokens per expert, from those same summed counts; 1.0 is perfect balance); under
+  expert parallel the same per EP rank (the rows of its experts, summed), the factor by which the
+  busiest rank's expert work exceeds the mean: the other ranks wait for it in the all-to-alls,
+  which no overlap hides (benchmarks/comm_skew.py measures that wait);
   (token, expert) pairs the capacity mode dropped on this rank, and the dispatchers' host syncs.
 - Pipeline parallel: each MoE layer lives on one stage; the aux loss is read per stage module, and
   the imbalance of every layer reaches every rank (each stage fills its layers' slots, summed over pp).
@@ -23,10 +26,12 @@ class MoEStep:
         self.tp = meshes.dims.tp
         self.cp = meshes.dims.cp
         self.cp_group = meshes.cp.get_group() if meshes.cp is not None else None
+        self.ep = meshes.dims.ep
         self.coeff = getattr(model_args, "load_balance_coeff", 0.0) or 0.0
         self.aux_enabled = bool(getattr(model_args, "aux_loss_coeff", 0.0))
         self.dispatchers = dispatchers or {}
         self._imbalance_L: torch.Tensor | None = None
+        self._ep_imbalance_L: torch.Tensor | None = None
         self._host_syncs_seen = self._host_syncs()
         self._dropped_seen: torch.Tensor | None = None
         # Pipeline parallel: this rank's routers' slots among the whole model's MoE layers.
@@ -72,16 +77,21 @@ class MoEStep:
         if self.group is not None:
             dist.all_reduce(counts_LE, group=self.group)
         counts_LE = counts_LE.float()
-        self._imbalance_L = counts_LE.max(dim=1).values / counts_LE.mean(dim=1).clamp(min=1e-9)
+        self._imbalance_L = max_over_mean(counts_LE)
+        if self.ep > 1:
+            self._ep_imbalance_L = max_over_mean(ep_rank_rows(counts_LE, self.ep))
         if self.pp_group is not None:
-            self._imbalance_L = self._gather_stages(self._imbalance_L)
+            self._imbalance_L, self._ep_imbalance_L = self._gather_stages(self._imbalance_L, self._ep_imbalance_L)
 
-    def _gather_stages(self, local_L: torch.Tensor) -> torch.Tensor:
-        """Every MoE layer's value on every rank: each stage fills its own layers' slots (one all-reduce)."""
-        whole_L = torch.zeros(self._n_layers, dtype=local_L.dtype, device=local_L.device)
-        whole_L[self._slots] = local_L
-        dist.all_reduce(whole_L, group=self.pp_group)
-        return whole_L
+    def _gather_stages(self, *local_L: torch.Tensor | None) -> list[torch.Tensor | None]:
+        """Every MoE layer's values on every rank: each stage fills its own layers' slots (one
+        all-reduce for all of them; None stays None, the same on every stage)."""
+        present = [x for x in local_L if x is not None]
+        whole_KL = torch.zeros(len(present), self._n_layers, device=self._device())
+        whole_KL[:, self._slots] = torch.stack(present)
+        dist.all_reduce(whole_KL, group=self.pp_group)
+        rows = iter(whole_KL.unbind(0))
+        return [None if x is None else next(rows) for x in local_L]
 
     @torch.no_grad()
     def after_step(self) -> None:
@@ -91,7 +101,8 @@ class MoEStep:
 
         if self.pp_group is not None and not len(self._slots):
             # A stage without MoE layers still takes part in the imbalance's all-reduce over pp.
-            self._imbalance_L = self._gather_stages(torch.zeros(0, device=self._device()))
+            empty = torch.zeros(0, device=self._device())
+            self._imbalance_L, self._ep_imbalance_L = self._gather_stages(empty, empty if self.ep > 1 else None)
             return
         update_moe_load_balance(self.model, self.coeff, reduce_counts=self._reduce_counts)
 
@@ -115,6 +126,8 @@ class MoEStep:
         metrics: dict = {}
         if self._imbalance_L is not None:
             metrics["moe_imbalance"] = self._imbalance_L
+        if self._ep_imbalance_L is not None:
+            metrics["moe_ep_imbalance"] = self._ep_imbalance_L
         if self.dispatchers:
             syncs = self._host_syncs()
             metrics["moe_host_syncs"] = syncs - self._host_syncs_seen
@@ -125,6 +138,19 @@ class MoEStep:
             metrics["moe_dropped"] = total - seen
             self._dropped_seen = total
         return metrics
+
+
+def max_over_mean(x_LN: torch.Tensor) -> torch.Tensor:
+    """Per row, the largest entry over the mean (1.0: all equal)."""
+    return x_LN.max(dim=1).values / x_LN.mean(dim=1).clamp(min=1e-9)
+
+
+def ep_rank_rows(counts_LE: torch.Tensor, ep: int) -> torch.Tensor:
+    """Rows per EP rank and layer [L, ep] from the tokens per expert [L, E]: expert parallel shards
+    the experts on dim 0, rank r holding experts r * E / ep to (r + 1) * E / ep - 1. The counts are
+    summed over every routing rank, so with several EP groups this is their mean per EP rank."""
+    L, E = counts_LE.shape
+    return counts_LE.view(L, ep, E // ep).sum(dim=2)
 
 
 def _router_names(model: nn.Module) -> list[str]:
