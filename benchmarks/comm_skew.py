@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from profile_summary import _category, _spans_and_steps
+from profile_summary import _category, _in_step, _spans_and_steps, _with_ancestors
 
 _WORKER_PREFIX = ("gloo:", "nccl:")
 
@@ -39,21 +39,15 @@ def _worker_collectives(spans: list[dict], begin: float, end: float) -> dict[str
 def _main_thread_waits(spans: list[dict], step: dict) -> list[tuple[float, float]]:
     """Intervals in which the training thread was in communication, as `summarize` counts it: the
     self time (the span minus its children) of every span it puts in that category."""
-    begin, end = step["ts"], step["ts"] + step["dur"]
-    main = sorted((e for e in spans if e["tid"] == step["tid"] and begin <= e["ts"] and e["ts"] + e["dur"] <= end + 1),
-                  key=lambda e: (e["ts"], -e["dur"]))  # fmt: skip
+    nested = _with_ancestors([e for e in _in_step(spans, step) if e["tid"] == step["tid"]])
     children: dict[int, list[tuple[float, float]]] = defaultdict(list)
-    comm, stack = [], []
-    for e in main:
-        while stack and e["ts"] >= stack[-1]["ts"] + stack[-1]["dur"]:
-            stack.pop()
-        if stack:
-            children[id(stack[-1])].append((e["ts"], e["ts"] + e["dur"]))
-        if _category(e["name"], [s["name"] for s in stack]) == "communication":
-            comm.append(e)
-        stack.append(e)
+    for e, ancestors in nested:
+        if ancestors:
+            children[id(ancestors[-1])].append((e["ts"], e["ts"] + e["dur"]))
     waits = []
-    for e in comm:
+    for e, ancestors in nested:
+        if _category(e["name"], [a["name"] for a in ancestors]) != "communication":
+            continue
         cursor = e["ts"]
         for s, t in _union(children[id(e)]):
             if s > cursor:

@@ -67,41 +67,49 @@ def _spans_and_steps(trace_path: Path) -> tuple[list[dict], list[dict]]:
     return spans, [e for e in spans if e["name"].startswith("ProfilerStep#")]
 
 
+def _in_step(spans: list[dict], step: dict) -> list[dict]:
+    """The spans that start and end inside the profiled step."""
+    begin, end = step["ts"], step["ts"] + step["dur"]
+    return [e for e in spans if e["ts"] >= begin and e["ts"] + e["dur"] <= end + 1]
+
+
+def _with_ancestors(thread_spans: list[dict]) -> list[tuple[dict, list[dict]]]:
+    """Each span of one thread, in start order, with the spans it nests in (outermost first)."""
+    nested, stack = [], []
+    for e in sorted(thread_spans, key=lambda e: (e["ts"], -e["dur"])):
+        while stack and e["ts"] >= stack[-1]["ts"] + stack[-1]["dur"]:
+            stack.pop()
+        nested.append((e, list(stack)))
+        stack.append(e)
+    return nested
+
+
 def summarize(trace_path: Path) -> dict:
     """{"step_ms", "<category>_ms" for each category, "comm_total_ms", "top_ops": [(name, ms)]}."""
     spans, steps = _spans_and_steps(trace_path)
     if not steps:
         raise ValueError(f"{trace_path}: no ProfilerStep# span")
     step = max(steps, key=lambda e: e["dur"])
-    main_tid = step["tid"]
-    begin, end = step["ts"], step["ts"] + step["dur"]
     by_thread: dict = defaultdict(list)
-    for e in spans:
-        if e["ts"] >= begin and e["ts"] + e["dur"] <= end + 1:
-            by_thread[e["tid"]].append(e)
+    for e in _in_step(spans, step):
+        by_thread[e["tid"]].append(e)
     totals = dict.fromkeys(CATEGORIES, 0.0)
     per_op: dict[str, float] = defaultdict(float)
     comm_other_threads = 0.0
     for tid, thread_events in by_thread.items():
-        thread_events.sort(key=lambda e: (e["ts"], -e["dur"]))
-        stack: list[dict] = []
-        self_time: dict[int, float] = {}
-        parents: dict[int, list[str]] = {}
-        for e in thread_events:
-            while stack and e["ts"] >= stack[-1]["ts"] + stack[-1]["dur"]:
-                stack.pop()
-            if stack:
-                self_time[id(stack[-1])] -= e["dur"]
-            parents[id(e)] = [s["name"] for s in stack]
-            self_time[id(e)] = float(e["dur"])
-            stack.append(e)
-        if tid != main_tid:
+        nested = _with_ancestors(thread_events)
+        parents = {id(e): [a["name"] for a in ancestors] for e, ancestors in nested}
+        if tid != step["tid"]:
             # Another thread: only collectives matter (time the network was busy, maybe hidden).
             comm_other_threads += sum(
-                e["dur"] for e in thread_events if _is_comm(e["name"]) and not any(map(_is_comm, parents[id(e)]))
+                e["dur"] for e, _ in nested if _is_comm(e["name"]) and not any(map(_is_comm, parents[id(e)]))
             )
             continue
-        for e in thread_events:
+        self_time = {id(e): float(e["dur"]) for e, _ in nested}
+        for e, ancestors in nested:
+            if ancestors:
+                self_time[id(ancestors[-1])] -= e["dur"]
+        for e, _ in nested:
             category = _category(e["name"], parents[id(e)])
             totals[category] += self_time[id(e)]
             if category != "python":
