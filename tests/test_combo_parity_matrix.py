@@ -378,6 +378,17 @@ def _capture_gradients(
     return param_diffs
 
 
+def _bf16_attention_on_cpu() -> None:
+    """The matrix checks bf16 attention kernels themselves: on a CPU without native bf16 the models
+    and context parallel attend in fp32 for speed (plait.models.common.CPU_BF16_UNITS), which the
+    sentinel's dtype check would rightly report. Here they take the bf16 path of a CPU with bf16
+    units (head dim 32 keeps them above the every-CPU fp32 limit of 16)."""
+    from plait.contextparallel import kernels
+    from plait.models import common
+
+    common.CPU_BF16_UNITS = kernels.CPU_BF16_UNITS = True
+
+
 def _train_each(rank: int, world_size: int, root: str, grads_dir: str, jobs: list[tuple], references: set) -> dict:
     """On every rank: train each job in turn in this process, under the step sentinel. Rank 0
     returns each job's metrics rows, step-by-step sentinel counts and per-parameter gradient
@@ -388,6 +399,7 @@ def _train_each(rank: int, world_size: int, root: str, grads_dir: str, jobs: lis
     from plait.trainer.testing import read_metrics
     from plait.trainer.train import Trainer
 
+    _bf16_attention_on_cpu()
     results = {}
     for key, model, argv, dtype, reference in jobs:
         started = time.perf_counter()

@@ -5,6 +5,7 @@ import pytest
 import torch
 from cp_reference import random_qkv, reference_with_grads
 
+from plait.contextparallel import kernels
 from plait.contextparallel.kernels import (
     MergedAttention,
     attention_backward,
@@ -38,6 +39,22 @@ def test_kernel_matches_fp64_attention(shape, kernel, dtype):
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     for got, want in ((out, ref_out), (dq, ref_dq), (dk, ref_dk), (dv, ref_dv)):
         torch.testing.assert_close(got.double(), want, **tol)
+
+
+@pytest.mark.parametrize("bf16_units", [True, False])
+def test_cpu_bf16_blocks_run_the_kernel_in_fp32_where_that_is_faster(bf16_units, monkeypatch):
+    """Head dim 32 (above the every-CPU fp32 limit of 16): bf16 on a CPU with native bf16, fp32 on
+    one without; outputs and gradients come back in bf16, the lse in fp32, both branches on any CPU."""
+    monkeypatch.setattr(kernels, "CPU_BF16_UNITS", bf16_units)
+    q, k, v, dout = random_qkv(2, 4, 2, 20, 32, 16, dtype=torch.bfloat16)
+    ref_out, ref_dq, ref_dk, ref_dv = reference_with_grads(q, k, v, dout, scale=0.3)
+    with torch.profiler.profile(record_shapes=True) as prof:
+        out, lse, dq, dk, dv = _run(attention_forward, attention_backward, q, k, v, dout, True, 0.3)
+    flash = [e for e in prof.events() if e.name.startswith("aten::_scaled_dot_product_flash_attention_for_cpu")]
+    assert len(flash) == 2 and {e.input_dtypes[0] for e in flash} == {"c10::BFloat16" if bf16_units else "float"}
+    assert lse.dtype == torch.float32 and {t.dtype for t in (out, dq, dk, dv)} == {torch.bfloat16}
+    for got, want in ((out, ref_out), (dq, ref_dq), (dk, ref_dk), (dv, ref_dv)):
+        torch.testing.assert_close(got.double(), want, atol=3e-2, rtol=3e-2)
 
 
 def test_non_causal_rectangular_block_and_merge():

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from llama3_testing import build_initialised
 from torch import nn
 
+from plait.models import common
 from plait.models.common import ScaledDotProductAttention
 from plait.models.llama3 import FLAVORS
 from plait.models.llama3.rope import rope_at, rope_tables
@@ -137,17 +138,26 @@ def test_sdpa_grouped_query_attention_equals_repeated_heads(dtype):
         torch.testing.assert_close(got.float(), want, atol=5 * tol, rtol=5 * tol)
 
 
+@pytest.mark.parametrize("bf16_units", [True, False])
 @pytest.mark.parametrize("autocast", [False, True])
-def test_narrower_values_attend_with_the_flash_kernel_in_bf16(autocast):
+def test_narrower_values_attend_with_the_flash_kernel_in_bf16(autocast, bf16_units, monkeypatch):
     """MLA's v head dim (128) is below q/k's (192): in bf16 on CPU the module zero-pads v for the
-    flash kernel instead of SDPA's math path; the result equals the math path's, backward too."""
+    flash kernel instead of SDPA's math path; the result equals the math path's, backward too.
+    On a CPU without native bf16 (no AVX512-BF16, no AMX) the kernel runs in fp32, where it is
+    faster there; both branches are checked on any CPU."""
+    monkeypatch.setattr(common, "CPU_BF16_UNITS", bf16_units)
     torch.manual_seed(0)
     dtype = torch.float32 if autocast else torch.bfloat16
     q, k = (torch.randn(2, 4, 32, 48, dtype=dtype, requires_grad=True) for _ in range(2))
     v = torch.randn(2, 4, 32, 32, dtype=dtype, requires_grad=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), torch.profiler.profile() as prof:
+    with (
+        torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast),
+        torch.profiler.profile(record_shapes=True) as prof,
+    ):
         out = ScaledDotProductAttention()(q, k, v)
         out.float().square().sum().backward()
+    flash = [e for e in prof.events() if e.name.startswith("aten::_scaled_dot_product_flash_attention_for_cpu")]
+    assert {e.input_dtypes[0] for e in flash} == {"c10::BFloat16" if bf16_units else "float"}
     ops = {e.key for e in prof.key_averages()}
     assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops
     assert "aten::_scaled_dot_product_attention_math" not in ops

@@ -17,12 +17,23 @@ CUDA fp16/bf16 with head dim a multiple of 8, <= 256 -> aten._scaled_dot_product
 `math_backward`). The flash kernels need Dv == Dqk, so MLA's narrower values are zero-padded and the
 padding sliced off. Callers hand every kernel what the CUDA one needs, on CPU too
 (`flash_input_problems` says what that is; the tests check every call against it).
+
+On CPU, fp16/bf16 blocks run the flash kernel in fp32 where it is faster there (the models' rule,
+plait.models.common): head dim <= 16 on every CPU, every head dim on a CPU that does not multiply
+bf16 natively (no AVX512-BF16, no AMX: 2.3-2.6x faster). The results come back in the input dtype;
+the log-sum-exp is fp32 either way.
 """
 
 import torch
 import torch.nn.functional as F
 
 _HALF = (torch.float16, torch.bfloat16)
+CPU_FP32_MAX_HEAD_DIM = 16
+CPU_BF16_UNITS = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def _cpu_in_fp32(q: torch.Tensor) -> bool:
+    return q.dtype in _HALF and (q.shape[-1] <= CPU_FP32_MAX_HEAD_DIM or not CPU_BF16_UNITS)
 
 
 def _kernel(q: torch.Tensor) -> str:
@@ -73,7 +84,12 @@ def attention_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor
         return math_forward(q, k, v, causal, scale)
     dv = v.shape[-1]
     v = _pad_last(v, q.shape[-1])
-    if kernel == "cpu_flash":
+    if kernel == "cpu_flash" and _cpu_in_fp32(q):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.float(), k.float(), v.float(), 0.0, causal, scale=scale
+        )
+        out = out.to(q.dtype)
+    elif kernel == "cpu_flash":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
     else:
         out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
@@ -88,7 +104,12 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
         return math_backward(dout, q, k, v, out, lse, causal, scale)
     dv_dim, d = v.shape[-1], q.shape[-1]
     v, out, dout = _pad_last(v, d), _pad_last(out, d), _pad_last(dout, d)
-    if kernel == "cpu_flash":
+    if kernel == "cpu_flash" and _cpu_in_fp32(q):
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.float(), q.float(), k.float(), v.float(), out.float(), lse, 0.0, causal, scale=scale
+        )
+        dq, dk, dv = (g.to(q.dtype) for g in grads)
+    elif kernel == "cpu_flash":
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale
         )

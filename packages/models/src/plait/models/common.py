@@ -6,12 +6,17 @@ from torch import nn
 
 from plait.models.documents import check_document_positions, row_segments
 
-# On CPU, torch's flash-attention kernel runs faster in fp32 than in bf16 at small head dims: at
-# head_dim 16 (the Llama 3 debug model: batch 8, seq 512, 16 heads) forward + backward take about
-# 60 ms in fp32 against 73 ms in bf16, while from head_dim 32 up bf16 is as fast or faster. Up to
-# this head dim a bf16 (or autocast) run attends in fp32 on CPU and casts the output back; fp32
-# runs and every other device are unchanged.
+# On CPU a bf16 (or autocast) run attends in fp32 where torch's flash-attention kernel is faster
+# in fp32, and casts the output back; fp32 runs and every other device are unchanged:
+# - up to this head dim on every CPU: at head_dim 16 (the Llama 3 debug model: batch 8, seq 512,
+#   16 heads) forward + backward took about 60 ms in fp32 against 73 ms in bf16 on an AMD EPYC,
+#   while from head_dim 32 up bf16 was as fast or faster there;
+# - at every head dim on a CPU that does not multiply bf16 natively (no AVX512-BF16, no AMX),
+#   where oneDNN emulates it: there bf16 took 2.3-2.6x the fp32 time at head dims 16-192 and
+#   seq 256-4096 (an Intel Xeon without either, 2026-11-27; DeepSeek-V3 debug's MLA, 4 x 16 heads
+#   x 256, 133 ms against 67 ms).
 CPU_FP32_MAX_HEAD_DIM = 16
+CPU_BF16_UNITS = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 class ScaledDotProductAttention(nn.Module):
@@ -75,16 +80,18 @@ def document_attention(q_BHSD, k_BGSD, v_BGSD, document_positions_BS, scale: flo
 
 def causal_attention(q_BHSD, k_BGSD, v_BGSD, scale: float | None) -> torch.Tensor:
     gqa = q_BHSD.shape[1] != k_BGSD.shape[1]
-    if q_BHSD.device.type == "cpu" and q_BHSD.shape[-1] <= CPU_FP32_MAX_HEAD_DIM:
-        autocast = torch.is_autocast_enabled("cpu")
-        if autocast or q_BHSD.dtype != torch.float32:
-            out_dtype = torch.get_autocast_dtype("cpu") if autocast else q_BHSD.dtype
-            with torch.autocast("cpu", enabled=False):
-                out_BHSD = F.scaled_dot_product_attention(
-                    q_BHSD.float(), k_BGSD.float(), v_BGSD.float(), is_causal=True, scale=scale, enable_gqa=gqa,
-                )
-            return out_BHSD.to(out_dtype)
     dqk, dv = q_BHSD.shape[-1], v_BGSD.shape[-1]
+    if q_BHSD.device.type == "cpu" and _low_precision(q_BHSD) and cpu_attends_in_fp32(dqk):
+        autocast = torch.is_autocast_enabled("cpu")
+        out_dtype = torch.get_autocast_dtype("cpu") if autocast else q_BHSD.dtype
+        with torch.autocast("cpu", enabled=False):
+            # MLA's narrower values padded for the flash kernel (the math path's S x S scores would
+            # not fit at long sequences); the padding's output columns are zeros, sliced off.
+            out_BHSD = F.scaled_dot_product_attention(
+                q_BHSD.float(), k_BGSD.float(), F.pad(v_BGSD.float(), (0, dqk - dv)), is_causal=True, scale=scale,
+                enable_gqa=gqa,
+            )
+        return out_BHSD[..., :dv].to(out_dtype)
     if q_BHSD.device.type == "cpu" and dv < dqk and _low_precision(q_BHSD):
         # MLA (v narrower than q/k): torch's CPU flash kernel needs equal head dims, otherwise SDPA
         # takes its math path and materialises the S x S scores. In bf16 the flash kernel on
@@ -95,6 +102,11 @@ def causal_attention(q_BHSD, k_BGSD, v_BGSD, scale: float | None) -> torch.Tenso
         )
         return out_BHSD[..., :dv]
     return F.scaled_dot_product_attention(q_BHSD, k_BGSD, v_BGSD, is_causal=True, scale=scale, enable_gqa=gqa)
+
+
+def cpu_attends_in_fp32(head_dim: int) -> bool:
+    """Whether a half-precision attention on this CPU runs faster in fp32 (the rule above)."""
+    return head_dim <= CPU_FP32_MAX_HEAD_DIM or not CPU_BF16_UNITS
 
 
 def _low_precision(x: torch.Tensor) -> bool:
