@@ -29,7 +29,8 @@ import torch.nn.functional as F
 
 _HALF = (torch.float16, torch.bfloat16)
 CPU_FP32_MAX_HEAD_DIM = 16
-CPU_BF16_UNITS = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+# torch's private CPU probes (in torch.cpu since 2.3); a torch without them counts as no bf16 units.
+CPU_BF16_UNITS = any(getattr(torch.cpu, probe, bool)() for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
 
 
 def _cpu_in_fp32(q: torch.Tensor) -> bool:

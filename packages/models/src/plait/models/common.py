@@ -16,7 +16,8 @@ from plait.models.documents import check_document_positions, row_segments
 #   seq 256-4096 (an Intel Xeon without either, 2026-11-27; DeepSeek-V3 debug's MLA, 4 x 16 heads
 #   x 256, 133 ms against 67 ms).
 CPU_FP32_MAX_HEAD_DIM = 16
-CPU_BF16_UNITS = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+# torch's private CPU probes (in torch.cpu since 2.3); a torch without them counts as no bf16 units.
+CPU_BF16_UNITS = any(getattr(torch.cpu, probe, bool)() for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
 
 
 class ScaledDotProductAttention(nn.Module):
