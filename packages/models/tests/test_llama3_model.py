@@ -171,3 +171,15 @@ def test_narrower_values_attend_with_the_flash_kernel_in_bf16(autocast, bf16_uni
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
     for got, want in zip(grads, (qf.grad, kf.grad, vf.grad)):
         torch.testing.assert_close(got.float(), want, atol=5e-2 * float(want.abs().max()), rtol=5e-2)
+
+
+def test_cpu_fp32_attention_keeps_values_wider_than_queries(monkeypatch):
+    """The fp32 path pads only narrower values (MLA): values wider than q/k go through whole."""
+    monkeypatch.setattr(common, "CPU_BF16_UNITS", False)
+    torch.manual_seed(0)
+    q, k = (torch.randn(1, 2, 8, 32, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(1, 2, 8, 48, dtype=torch.bfloat16)
+    out = ScaledDotProductAttention()(q, k, v)
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    assert out.shape == (1, 2, 8, 48) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)

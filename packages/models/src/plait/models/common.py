@@ -85,12 +85,12 @@ def causal_attention(q_BHSD, k_BGSD, v_BGSD, scale: float | None) -> torch.Tenso
     if q_BHSD.device.type == "cpu" and _low_precision(q_BHSD) and cpu_attends_in_fp32(dqk):
         autocast = torch.is_autocast_enabled("cpu")
         out_dtype = torch.get_autocast_dtype("cpu") if autocast else q_BHSD.dtype
+        # MLA's narrower values padded for the flash kernel (the math path's S x S scores would not
+        # fit at long sequences); the padding's output columns are zeros, sliced off.
+        v_float = F.pad(v_BGSD.float(), (0, dqk - dv)) if dv < dqk else v_BGSD.float()
         with torch.autocast("cpu", enabled=False):
-            # MLA's narrower values padded for the flash kernel (the math path's S x S scores would
-            # not fit at long sequences); the padding's output columns are zeros, sliced off.
             out_BHSD = F.scaled_dot_product_attention(
-                q_BHSD.float(), k_BGSD.float(), F.pad(v_BGSD.float(), (0, dqk - dv)), is_causal=True, scale=scale,
-                enable_gqa=gqa,
+                q_BHSD.float(), k_BGSD.float(), v_float, is_causal=True, scale=scale, enable_gqa=gqa
             )
         return out_BHSD[..., :dv].to(out_dtype)
     if q_BHSD.device.type == "cpu" and dv < dqk and _low_precision(q_BHSD):
