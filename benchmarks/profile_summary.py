@@ -10,7 +10,8 @@ children's. Every microsecond of the profiled step (`ProfilerStep#N`) is put in 
   compiled        inductor-generated code (self time of compiled regions): on CPU this is where
                   inductor's C++ kernels run, called from the generated wrapper with no profiler
                   op of their own (`## Call CompiledFxGraph ...` spans' self time; a stack trace
-                  put 192 of 225 ms of it inside those kernels, DeepSeek-V3 debug compiled, fp32)
+                  put 192 of 225 ms of it inside those kernels, DeepSeek-V3 debug compiled, fp32;
+                  on CUDA it is the host launching the graph's Triton kernels)
   communication   c10d collectives and FSDP's waits for them on the training thread (exposed)
   optimizer       everything under Optimizer.step / zero_grad
   python          time in the step that is inside no op: Python, hooks, the framework itself
