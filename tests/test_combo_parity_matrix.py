@@ -67,7 +67,7 @@ DTYPES = ("float32", "bfloat16")
 # fit the suite's time: every block kind is still there (DeepSeek-V3: one dense block, then MoE).
 MODEL_ARGS = {
     # Head dim 32 with GQA (8 query, 4 kv heads): at head dim <= 16 a bf16 run attends in fp32 on CPU
-    # (plait.models.common.CPU_FP32_MAX_HEAD_DIM, a CPU speed path), which would hide bf16 attention.
+    # (plait.models.cpu_bf16.CPU_FP32_MAX_HEAD_DIM, a CPU speed path), which would hide bf16 attention.
     "llama3": ["--model.n_layers", "2", "--model.n_heads", "8", "--model.n_kv_heads", "4"],
     "deepseek_v3": ["--model.n_layers", "3", "--model.n_heads", "8", "--model.kv_lora_rank", "128",
                     "--model.qk_nope_head_dim", "32", "--model.qk_rope_head_dim", "32", "--model.v_head_dim", "32"],
@@ -378,15 +378,16 @@ def _capture_gradients(
     return param_diffs
 
 
-def _bf16_attention_on_cpu() -> None:
-    """The matrix checks bf16 attention kernels themselves: on a CPU without native bf16 the models
-    and context parallel attend in fp32 for speed (plait.models.common.CPU_BF16_UNITS), which the
-    sentinel's dtype check would rightly report. Here they take the bf16 path of a CPU with bf16
-    units (head dim 32 keeps them above the every-CPU fp32 limit of 16)."""
+def _bf16_kernels_on_cpu() -> None:
+    """The matrix checks bf16 kernels themselves: on a CPU without native bf16 the models multiply
+    and attend, and context parallel attends, through fp32 kernels for speed
+    (plait.models.cpu_bf16.CPU_BF16_UNITS), which the sentinel's dtype check would rightly report.
+    Here they take the bf16 path of a CPU with bf16 units (head dim 32 keeps attention above the
+    every-CPU fp32 limit of 16)."""
     from plait.contextparallel import kernels
-    from plait.models import common
+    from plait.models import cpu_bf16
 
-    common.CPU_BF16_UNITS = kernels.CPU_BF16_UNITS = True
+    cpu_bf16.CPU_BF16_UNITS = kernels.CPU_BF16_UNITS = True
 
 
 def _train_each(rank: int, world_size: int, root: str, grads_dir: str, jobs: list[tuple], references: set) -> dict:
@@ -399,7 +400,7 @@ def _train_each(rank: int, world_size: int, root: str, grads_dir: str, jobs: lis
     from plait.trainer.testing import read_metrics
     from plait.trainer.train import Trainer
 
-    _bf16_attention_on_cpu()
+    _bf16_kernels_on_cpu()
     results = {}
     for key, model, argv, dtype, reference in jobs:
         started = time.perf_counter()

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from llama3_testing import build_initialised
 from torch import nn
 
-from plait.models import common
+from plait.models import cpu_bf16
 from plait.models.common import ScaledDotProductAttention
 from plait.models.llama3 import FLAVORS
 from plait.models.llama3.rope import rope_at, rope_tables
@@ -145,7 +145,7 @@ def test_narrower_values_attend_with_the_flash_kernel_in_bf16(autocast, bf16_uni
     flash kernel instead of SDPA's math path; the result equals the math path's, backward too.
     On a CPU without native bf16 (no AVX512-BF16, no AMX) the kernel runs in fp32, where it is
     faster there; both branches are checked on any CPU."""
-    monkeypatch.setattr(common, "CPU_BF16_UNITS", bf16_units)
+    monkeypatch.setattr(cpu_bf16, "CPU_BF16_UNITS", bf16_units)
     torch.manual_seed(0)
     dtype = torch.float32 if autocast else torch.bfloat16
     q, k = (torch.randn(2, 4, 32, 48, dtype=dtype, requires_grad=True) for _ in range(2))
@@ -175,7 +175,7 @@ def test_narrower_values_attend_with_the_flash_kernel_in_bf16(autocast, bf16_uni
 
 def test_cpu_fp32_attention_keeps_values_wider_than_queries(monkeypatch):
     """The fp32 path pads only narrower values (MLA): values wider than q/k go through whole."""
-    monkeypatch.setattr(common, "CPU_BF16_UNITS", False)
+    monkeypatch.setattr(cpu_bf16, "CPU_BF16_UNITS", False)
     torch.manual_seed(0)
     q, k = (torch.randn(1, 2, 8, 32, dtype=torch.bfloat16) for _ in range(2))
     v = torch.randn(1, 2, 8, 48, dtype=torch.bfloat16)

@@ -11,6 +11,7 @@ backward, without inductor's C++ build (seconds instead of tens of seconds on a 
 import pytest
 import torch
 
+from plait.models import cpu_bf16
 from plait.models.deepseek_v3 import ModelArgs
 from plait.models.deepseek_v3.model import TransformerBlock, build_moe
 from plait.models.deepseek_v3.rope import rope_tables
@@ -58,7 +59,9 @@ def test_deepseek_moe_and_transformer_blocks_compile_fullgraph_in_fp32_and_match
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_mm_op_gradients_are_torch_grouped_mm_gradients(dtype):
+def test_grouped_mm_op_gradients_are_torch_grouped_mm_gradients(dtype, monkeypatch):
+    # torch's kernel itself; on a CPU that emulates bf16 the op multiplies in fp32 (test_cpu_bf16.py).
+    monkeypatch.setattr(cpu_bf16, "CPU_BF16_UNITS", True)
     a = torch.randn(40, 16, dtype=dtype, requires_grad=True)
     b = torch.randn(3, 16, 24, dtype=dtype, requires_grad=True)
     offs = torch.tensor([8, 8, 32], dtype=torch.int32)  # an empty group; rows 32.. outside every group

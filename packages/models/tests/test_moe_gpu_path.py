@@ -33,7 +33,8 @@ class _GroupedMMOffsets(TorchDispatchMode):
         self.offsets = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._grouped_mm.default:
+        # plait's op too: bf16 on a CPU that emulates it runs through it (cpu_bf16.py).
+        if func in (torch.ops.aten._grouped_mm.default, torch.ops.plait.grouped_mm.default):
             self.offsets.append((kwargs or {}).get("offs", args[2] if len(args) > 2 else None).tolist())
         return func(*args, **(kwargs or {}))
 

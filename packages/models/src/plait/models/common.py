@@ -4,20 +4,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plait.models import cpu_bf16
+from plait.models.cpu_bf16 import Linear
 from plait.models.documents import check_document_positions, row_segments
-
-# On CPU a bf16 (or autocast) run attends in fp32 where torch's flash-attention kernel is faster
-# in fp32, and casts the output back; fp32 runs and every other device are unchanged:
-# - up to this head dim on every CPU: at head_dim 16 (the Llama 3 debug model: batch 8, seq 512,
-#   16 heads) forward + backward took about 60 ms in fp32 against 73 ms in bf16 on an AMD EPYC,
-#   while from head_dim 32 up bf16 was as fast or faster there;
-# - at every head dim on a CPU that does not multiply bf16 natively (no AVX512-BF16, no AMX),
-#   where oneDNN emulates it: there bf16 took 2.3-2.6x the fp32 time at head dims 16-192 and
-#   seq 256-4096 (an Intel Xeon without either, 2026-11-27; DeepSeek-V3 debug's MLA, 4 x 16 heads
-#   x 256, 133 ms against 67 ms).
-CPU_FP32_MAX_HEAD_DIM = 16
-# torch's private CPU probes (in torch.cpu since 2.3); a torch without them counts as no bf16 units.
-CPU_BF16_UNITS = any(getattr(torch.cpu, probe, bool)() for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
 
 
 class ScaledDotProductAttention(nn.Module):
@@ -82,7 +71,8 @@ def document_attention(q_BHSD, k_BGSD, v_BGSD, document_positions_BS, scale: flo
 def causal_attention(q_BHSD, k_BGSD, v_BGSD, scale: float | None) -> torch.Tensor:
     gqa = q_BHSD.shape[1] != k_BGSD.shape[1]
     dqk, dv = q_BHSD.shape[-1], v_BGSD.shape[-1]
-    if q_BHSD.device.type == "cpu" and _low_precision(q_BHSD) and cpu_attends_in_fp32(dqk):
+    if q_BHSD.device.type == "cpu" and _low_precision(q_BHSD) and cpu_bf16.cpu_attends_in_fp32(dqk):
+        # The rule and its measurements: cpu_bf16.py.
         autocast = torch.is_autocast_enabled("cpu")
         out_dtype = torch.get_autocast_dtype("cpu") if autocast else q_BHSD.dtype
         # MLA's narrower values padded for the flash kernel (the math path's S x S scores would not
@@ -105,11 +95,6 @@ def causal_attention(q_BHSD, k_BGSD, v_BGSD, scale: float | None) -> torch.Tenso
     return F.scaled_dot_product_attention(q_BHSD, k_BGSD, v_BGSD, is_causal=True, scale=scale, enable_gqa=gqa)
 
 
-def cpu_attends_in_fp32(head_dim: int) -> bool:
-    """Whether a half-precision attention on this CPU runs faster in fp32 (the rule above)."""
-    return head_dim <= CPU_FP32_MAX_HEAD_DIM or not CPU_BF16_UNITS
-
-
 def _low_precision(x: torch.Tensor) -> bool:
     return x.dtype != torch.float32 or torch.is_autocast_enabled("cpu")
 
@@ -120,14 +105,14 @@ INIT_STD = 0.02
 class FeedForward(nn.Module):
     """SwiGLU, `w2(silu(w1 x) * w3 x)`: Llama's FFN, DeepSeek's dense FFN and its shared experts.
 
-    Bias-free Linears named as the tensor-parallel plans expect.
+    Bias-free Linears (cpu_bf16.Linear: nn.Linear) named as the tensor-parallel plans expect.
     """
 
     def __init__(self, dim: int, hidden_dim: int):
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w1 = Linear(dim, hidden_dim, bias=False)
+        self.w2 = Linear(hidden_dim, dim, bias=False)
+        self.w3 = Linear(dim, hidden_dim, bias=False)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x_BSD)) * self.w3(x_BSD))

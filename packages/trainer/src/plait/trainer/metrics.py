@@ -20,14 +20,20 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from plait.models.cpu_bf16 import cpu_multiplies_in_fp32
+
 # Dense bf16 peak TFLOP/s per GPU (no sparsity).
 PEAK_TFLOPS_BF16 = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "B200": 2250.0}
 
 
 def measure_cpu_tflops(dtype: torch.dtype, seconds: float = 0.3) -> float:
     """Peak matmul TFLOP/s of this process's threads: the fastest of repeated square matmuls
-    (the fastest, not the mean, so a briefly busy machine does not lower the peak)."""
+    (the fastest, not the mean, so a briefly busy machine does not lower the peak), in the kernel
+    the models' products of `dtype` run: fp32 for bf16 on a CPU that emulates bf16
+    (plait.models.cpu_bf16), whose emulated bf16 kernel would understate the peak 4-5x."""
     n = 1024
+    if cpu_multiplies_in_fp32(torch.empty(0, dtype=dtype)):
+        dtype = torch.float32
     a = torch.randn(n, n, dtype=dtype)
     b = torch.randn(n, n, dtype=dtype)
     torch.mm(a, b)  # warm up (oneDNN primitive creation)

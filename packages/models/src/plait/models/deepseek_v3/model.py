@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from plait.models.common import INIT_STD, ScaledDotProductAttention
+from plait.models.cpu_bf16 import Linear
 from plait.models.deepseek_v3.args import ModelArgs
 from plait.models.deepseek_v3.rope import rope_tables, softmax_scale
 from plait.models.documents import attention_inputs
@@ -38,15 +39,15 @@ class Attention(nn.Module):
         self.qk_head_dim = args.qk_head_dim
         self.v_head_dim = args.v_head_dim
         if self.q_lora_rank == 0:
-            self.wq = nn.Linear(args.dim, args.n_heads * self.qk_head_dim, bias=False)
+            self.wq = Linear(args.dim, args.n_heads * self.qk_head_dim, bias=False)
         else:
-            self.wq_a = nn.Linear(args.dim, self.q_lora_rank, bias=False)
+            self.wq_a = Linear(args.dim, self.q_lora_rank, bias=False)
             self.q_norm = nn.RMSNorm(self.q_lora_rank, eps=args.norm_eps)
-            self.wq_b = nn.Linear(self.q_lora_rank, args.n_heads * self.qk_head_dim, bias=False)
-        self.wkv_a = nn.Linear(args.dim, self.kv_lora_rank + self.qk_rope_head_dim, bias=False)
+            self.wq_b = Linear(self.q_lora_rank, args.n_heads * self.qk_head_dim, bias=False)
+        self.wkv_a = Linear(args.dim, self.kv_lora_rank + self.qk_rope_head_dim, bias=False)
         self.kv_norm = nn.RMSNorm(self.kv_lora_rank, eps=args.norm_eps)
-        self.wkv_b = nn.Linear(self.kv_lora_rank, args.n_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
-        self.wo = nn.Linear(args.n_heads * self.v_head_dim, args.dim, bias=False)
+        self.wkv_b = Linear(self.kv_lora_rank, args.n_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
+        self.wo = Linear(args.n_heads * self.v_head_dim, args.dim, bias=False)
         # The one place attention is computed; context parallel replaces this module. SDPA takes
         # a v head dim different from q/k's, so v is passed unpadded.
         self.sdpa = ScaledDotProductAttention(scale=softmax_scale(args))
@@ -160,7 +161,7 @@ class Transformer(nn.Module):
         # ModuleDict "0".."n-1": module paths stay stable when pipeline parallel drops layers.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = Linear(args.dim, args.vocab_size, bias=False)
         # Non-persistent: derived from args; init_weights recomputes them after a meta build.
         rope_cos_LK, rope_sin_LK = rope_tables(args)
         self.register_buffer("rope_cos", rope_cos_LK, persistent=False)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from plait.models.common import INIT_STD, FeedForward, ScaledDotProductAttention
+from plait.models.cpu_bf16 import Linear
 from plait.models.documents import attention_inputs
 from plait.models.llama3.args import ModelArgs
 from plait.models.llama3.rope import apply_rope, rope_at, rope_tables
@@ -24,10 +25,10 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.wq = Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         # The one place attention is computed; context parallel replaces this module.
         self.sdpa = ScaledDotProductAttention()
 
@@ -102,7 +103,7 @@ class Transformer(nn.Module):
         # parallel deletes some layers.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = Linear(args.dim, args.vocab_size, bias=False)
         self._tie_embeddings()
         # Non-persistent: derived from args, never checkpointed; init_weights recomputes them after
         # a meta-device build.

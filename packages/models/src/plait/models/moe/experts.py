@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plait.models.cpu_bf16 import bmm, cpu_multiplies_in_fp32
+
 from .grouped_mm_op import grouped_mm as _grouped_mm_any_dtype
 from .kernels import GROUP_ALIGNMENT, permute_and_pad, unpermute
 
@@ -57,9 +59,10 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.T
     if a.is_cuda and not _cuda_fast_grouped_mm(a):
         # CUDA-only branch: fp32 (or bf16 below Hopper) through the Triton kernels, no host sync.
         return _grouped_mm_sync_free(a, b, offs)
-    if a.dtype != torch.bfloat16 and torch.compiler.is_compiling():
+    if (a.dtype != torch.bfloat16 and torch.compiler.is_compiling()) or cpu_multiplies_in_fp32(a):
         # torch's fake-tensor rule for grouped_mm admits bf16 only (the CUDA kernel's); the CPU
         # kernel also runs fp32, and the custom op lets the graph hold it (eager keeps torch's op).
+        # bf16 on a CPU that emulates it goes through the op too: it multiplies in fp32 there.
         return _grouped_mm_any_dtype(a, b, offs)
     return torch._grouped_mm(a, b, offs=offs)
 
@@ -132,8 +135,8 @@ def run_experts_bmm(
     x_EGD = x_TD.view(E, group_rows, D).to(dtype)
     w1_EDH, w2_EHD, w3_EDH = w1_EDH.to(dtype), w2_EHD.to(dtype), w3_EDH.to(dtype)
     # No mask needed: every row belongs to a group (capacity padding rows are zeros in and out).
-    h_EGH = F.silu(torch.bmm(x_EGD, w1_EDH)) * torch.bmm(x_EGD, w3_EDH)
-    return torch.bmm(h_EGH, w2_EHD).view(E * group_rows, -1)
+    h_EGH = F.silu(bmm(x_EGD, w1_EDH)) * bmm(x_EGD, w3_EDH)
+    return bmm(h_EGH, w2_EHD).view(E * group_rows, -1)
 
 
 class GroupedExperts(nn.Module):

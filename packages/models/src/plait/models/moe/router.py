@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plait.models.cpu_bf16 import Linear
+
 
 class TokenChoiceTopKRouter(nn.Module):
     """Scores `[T, E]`, picks `top_k` experts per token, returns their weights and the counts.
@@ -44,7 +46,7 @@ class TokenChoiceTopKRouter(nn.Module):
             raise ValueError(f"score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
         if num_experts % n_groups != 0 or not 1 <= topk_groups <= n_groups:
             raise ValueError(f"bad expert groups: {num_experts=} {n_groups=} {topk_groups=}")
-        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.gate = Linear(dim, num_experts, bias=False)
         self.num_experts = num_experts
         self.top_k = top_k
         self.score_func = score_func

@@ -1,0 +1,124 @@
+"""bf16 on the CPU: whether it multiplies bf16 natively, and fp32 kernels where it does not.
+
+A CPU without AVX512-BF16 or AMX has no bf16 arithmetic; torch (oneDNN) emulates it, and the
+emulation is slow. On an Intel Xeon without either (2026-11-27, one thread, the DeepSeek-V3 debug
+model's shapes) a bf16 `mm` took 3.4-5.2x the time of the same product through fp32 kernels
+with the casts in and out counted, `bmm` and `_grouped_mm` 4.3-4.4x, and the flash-attention
+kernel 2.3-2.6x. There a bf16 product runs as an fp32 kernel on the bf16 operands (exact in
+fp32), accumulated in fp32 and rounded once to bf16: what the emulation computes, in another
+order (99.996 % of a 1024 x 256 x 1024 product's outputs bitwise equal, the rest one bf16 ulp).
+Autograd saves the bf16 operands, not fp32 copies, so activation memory is that of bf16.
+
+CPUs with bf16 units and every GPU are unchanged. Attention also runs in fp32 on every CPU up to
+head dim 16, where torch's flash kernel is faster in fp32 (`cpu_attends_in_fp32`).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# torch's private CPU probes (in torch.cpu since 2.3); a torch without them counts as no bf16 units.
+# Read at call time, so a test can take either path on any CPU by setting it.
+CPU_BF16_UNITS = any(
+    getattr(torch.cpu, probe, bool)() for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+)
+# At head_dim 16 (the Llama 3 debug model: batch 8, seq 512, 16 heads) forward + backward took
+# about 60 ms in fp32 against 73 ms in bf16 on an AMD EPYC (bf16 units), while from head_dim 32 up
+# bf16 was as fast or faster there.
+CPU_FP32_MAX_HEAD_DIM = 16
+
+
+def cpu_attends_in_fp32(head_dim: int) -> bool:
+    """Whether a half-precision attention on this CPU runs faster in fp32."""
+    return head_dim <= CPU_FP32_MAX_HEAD_DIM or not CPU_BF16_UNITS
+
+
+def cpu_multiplies_in_fp32(x: torch.Tensor) -> bool:
+    """Whether a bf16 product of `x` runs through fp32 kernels: bf16 on a CPU that emulates it."""
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and not CPU_BF16_UNITS
+
+
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    device_type = x.device.type
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+class _LinearInFp32(torch.autograd.Function):
+    """`F.linear` of bf16 operands through fp32 kernels, forward and backward; saves the bf16 ones."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        with torch.autocast(x.device.type, enabled=False):
+            y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_weight = grad_bias = None
+        with torch.autocast(x.device.type, enabled=False):
+            g = grad_y.float()
+            if ctx.needs_input_grad[0]:
+                grad_x = (g @ weight.float()).to(x.dtype)
+            if ctx.needs_input_grad[1]:
+                grad_weight = (g.flatten(0, -2).t() @ x.float().flatten(0, -2)).to(weight.dtype)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                grad_bias = g.flatten(0, -2).sum(0).to(x.dtype)
+        return grad_x, grad_weight, grad_bias
+
+
+class _BmmInFp32(torch.autograd.Function):
+    """`torch.bmm` of bf16 operands through fp32 kernels, forward and backward."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        with torch.autocast(a.device.type, enabled=False):
+            return torch.bmm(a.float(), b.float()).to(a.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        grad_a = grad_b = None
+        with torch.autocast(a.device.type, enabled=False):
+            g = grad.float()
+            if ctx.needs_input_grad[0]:
+                grad_a = torch.bmm(g, b.float().transpose(1, 2)).to(a.dtype)
+            if ctx.needs_input_grad[1]:
+                grad_b = torch.bmm(a.float().transpose(1, 2), g).to(b.dtype)
+        return grad_a, grad_b
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`, through fp32 kernels for bf16 (or bf16 autocast) on a CPU that emulates bf16."""
+    autocast_dtype = _autocast_dtype(x)
+    dtype = autocast_dtype or x.dtype
+    if not (dtype == torch.bfloat16 and x.device.type == "cpu" and not CPU_BF16_UNITS):
+        return F.linear(x, weight, bias)
+    if autocast_dtype is not None:  # autocast's casts for a linear, done here
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    if weight.dtype != dtype:  # no autocast and mixed dtypes: torch's own error
+        return F.linear(x, weight, bias)
+    return _LinearInFp32.apply(x, weight, bias)
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`torch.bmm` of operands of one dtype, through fp32 kernels where `cpu_multiplies_in_fp32`."""
+    if cpu_multiplies_in_fp32(a) and b.dtype == a.dtype:
+        return _BmmInFp32.apply(a, b)
+    return torch.bmm(a, b)
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` whose bf16 product runs through fp32 kernels on a CPU that emulates bf16.
+
+    Everything else is `nn.Linear`'s: parameters, state-dict keys, `isinstance` checks (tensor
+    parallel's plans), the output on every GPU and on CPUs with bf16 units."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
