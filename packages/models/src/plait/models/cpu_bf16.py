@@ -51,7 +51,7 @@ class _LinearInFp32(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
+        ctx.bias_dtype = None if bias is None else bias.dtype
         with torch.autocast(x.device.type, enabled=False):
             y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
         return y.to(x.dtype)
@@ -66,8 +66,8 @@ class _LinearInFp32(torch.autograd.Function):
                 grad_x = (g @ weight.float()).to(x.dtype)
             if ctx.needs_input_grad[1]:
                 grad_weight = (g.flatten(0, -2).t() @ x.float().flatten(0, -2)).to(weight.dtype)
-            if ctx.has_bias and ctx.needs_input_grad[2]:
-                grad_bias = g.flatten(0, -2).sum(0).to(x.dtype)
+            if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+                grad_bias = g.flatten(0, -2).sum(0).to(ctx.bias_dtype)
         return grad_x, grad_weight, grad_bias
 
 
