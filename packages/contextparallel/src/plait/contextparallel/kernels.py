@@ -19,7 +19,7 @@ padding sliced off. Callers hand every kernel what the CUDA one needs, on CPU to
 (`flash_input_problems` says what that is; the tests check every call against it).
 
 On CPU, fp16/bf16 blocks run the flash kernel in fp32 where it is faster there (the models' rule,
-plait.models.common): head dim <= 16 on every CPU, every head dim on a CPU that does not multiply
+plait.models.cpu_bf16): head dim <= 16 on every CPU, every head dim on a CPU that does not multiply
 bf16 natively (no AVX512-BF16, no AMX: 2.3-2.6x faster). The results come back in the input dtype;
 the log-sum-exp is fp32 either way.
 """
