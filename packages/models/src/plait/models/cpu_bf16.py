@@ -33,16 +33,18 @@ def cpu_attends_in_fp32(head_dim: int) -> bool:
     return head_dim <= CPU_FP32_MAX_HEAD_DIM or not CPU_BF16_UNITS
 
 
-def cpu_multiplies_in_fp32(x: torch.Tensor) -> bool:
-    """Whether a bf16 product of `x` runs through fp32 kernels: bf16 on a CPU that emulates it."""
-    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and not CPU_BF16_UNITS
+def cpu_multiplies_in_fp32(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
+    """Whether a product computed in `dtype` on `device` runs through fp32 kernels: bf16 on a CPU
+    that emulates it."""
+    return dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not CPU_BF16_UNITS
 
 
-def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a product of `x` computes in: autocast's where it is on for x's device."""
     device_type = x.device.type
     if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
-    return None
+    return x.dtype
 
 
 class _LinearInFp32(torch.autograd.Function):
@@ -95,21 +97,22 @@ class _BmmInFp32(torch.autograd.Function):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`, through fp32 kernels for bf16 (or bf16 autocast) on a CPU that emulates bf16."""
-    autocast_dtype = _autocast_dtype(x)
-    dtype = autocast_dtype or x.dtype
-    if not (dtype == torch.bfloat16 and x.device.type == "cpu" and not CPU_BF16_UNITS):
+    if x.device.type != "cpu" or CPU_BF16_UNITS:  # GPUs and bf16 CPUs: torch's op, no more checks
         return F.linear(x, weight, bias)
-    if autocast_dtype is not None:  # autocast's casts for a linear, done here
+    dtype = compute_dtype(x)
+    if not cpu_multiplies_in_fp32(dtype):
+        return F.linear(x, weight, bias)
+    if torch.is_autocast_enabled("cpu"):  # autocast's casts for a linear, done here
         x, weight = x.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
-    if weight.dtype != dtype:  # no autocast and mixed dtypes: torch's own error
+    elif weight.dtype != dtype:  # mixed dtypes without autocast: torch's own error
         return F.linear(x, weight, bias)
     return _LinearInFp32.apply(x, weight, bias)
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """`torch.bmm` of operands of one dtype, through fp32 kernels where `cpu_multiplies_in_fp32`."""
-    if cpu_multiplies_in_fp32(a) and b.dtype == a.dtype:
+    if cpu_multiplies_in_fp32(a.dtype, a.device) and b.dtype == a.dtype:
         return _BmmInFp32.apply(a, b)
     return torch.bmm(a, b)
 

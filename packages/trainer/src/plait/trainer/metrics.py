@@ -32,7 +32,7 @@ def measure_cpu_tflops(dtype: torch.dtype, seconds: float = 0.3) -> float:
     the models' products of `dtype` run: fp32 for bf16 on a CPU that emulates bf16
     (plait.models.cpu_bf16), whose emulated bf16 kernel would understate the peak 4-5x."""
     n = 1024
-    if cpu_multiplies_in_fp32(torch.empty(0, dtype=dtype)):
+    if cpu_multiplies_in_fp32(dtype):
         dtype = torch.float32
     a = torch.randn(n, n, dtype=dtype)
     b = torch.randn(n, n, dtype=dtype)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.models.cpu_bf16 import bmm, cpu_multiplies_in_fp32
+from plait.models.cpu_bf16 import bmm, compute_dtype, cpu_multiplies_in_fp32
 
 from .grouped_mm_op import grouped_mm as _grouped_mm_any_dtype
 from .kernels import GROUP_ALIGNMENT, permute_and_pad, unpermute
@@ -59,20 +59,12 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.T
     if a.is_cuda and not _cuda_fast_grouped_mm(a):
         # CUDA-only branch: fp32 (or bf16 below Hopper) through the Triton kernels, no host sync.
         return _grouped_mm_sync_free(a, b, offs)
-    if (a.dtype != torch.bfloat16 and torch.compiler.is_compiling()) or cpu_multiplies_in_fp32(a):
+    if (a.dtype != torch.bfloat16 and torch.compiler.is_compiling()) or cpu_multiplies_in_fp32(a.dtype, a.device):
         # torch's fake-tensor rule for grouped_mm admits bf16 only (the CUDA kernel's); the CPU
         # kernel also runs fp32, and the custom op lets the graph hold it (eager keeps torch's op).
         # bf16 on a CPU that emulates it goes through the op too: it multiplies in fp32 there.
         return _grouped_mm_any_dtype(a, b, offs)
     return torch._grouped_mm(a, b, offs=offs)
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    device_type = x.device.type
-    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
-        # Autocast has no rule for grouped_mm: cast its operands as it casts a matmul's.
-        return torch.get_autocast_dtype(device_type)
-    return x.dtype
 
 
 def run_experts_for_loop(
@@ -109,7 +101,7 @@ def run_experts_grouped_mm(
     # sync and keeps them out of autograd, matching the loop path.
     row_T = torch.arange(x_TD.shape[0], device=x_TD.device)
     valid_T1 = (row_T < offsets_E[-1])[:, None]
-    dtype = _compute_dtype(x_TD)
+    dtype = compute_dtype(x_TD)  # autocast has no rule for grouped_mm: cast as it casts a matmul
     x_TD = torch.where(valid_T1, x_TD, 0.0).to(dtype)
     w1, w2, w3 = w1_EDH.to(dtype), w2_EHD.to(dtype), w3_EDH.to(dtype)
     h_TH = F.silu(_grouped_mm(x_TD, w1, offsets_E))
@@ -131,7 +123,7 @@ def run_experts_bmm(
     """Every expert owns exactly `group_rows` consecutive rows: one batched matmul per weight."""
     E, D = w1_EDH.shape[0], x_TD.shape[-1]
     torch._check(x_TD.shape[0] == E * group_rows, lambda: f"equal groups: {E} x {group_rows} rows expected")
-    dtype = _compute_dtype(x_TD)  # the grouped path's casts, so both give the same dtypes
+    dtype = compute_dtype(x_TD)  # the grouped path's casts, so both give the same dtypes
     x_EGD = x_TD.view(E, group_rows, D).to(dtype)
     w1_EDH, w2_EHD, w3_EDH = w1_EDH.to(dtype), w2_EHD.to(dtype), w3_EDH.to(dtype)
     # No mask needed: every row belongs to a group (capacity padding rows are zeros in and out).

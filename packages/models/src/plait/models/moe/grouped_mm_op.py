@@ -21,7 +21,7 @@ from plait.models.cpu_bf16 import cpu_multiplies_in_fp32
 
 @torch.library.custom_op("plait::grouped_mm", mutates_args=())
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    if cpu_multiplies_in_fp32(a) and b.dtype == a.dtype:
+    if cpu_multiplies_in_fp32(a.dtype, a.device) and b.dtype == a.dtype:
         return torch._grouped_mm(a.float(), b.float(), offs=offs).to(a.dtype)
     return torch._grouped_mm(a, b, offs=offs)
 
