@@ -13,7 +13,13 @@ exposed, prefetched or not. Two changes give the CPU what the streams give the G
   waited on at the next reduce-scatter (one in flight, as FSDP's one reduce-scatter input buffer on
   GPU) or at the end of backward. Anything else reads the output at once and stays synchronous.
 
-The collectives, their inputs and their order are the same: the numbers are bit for bit the same.
+Gloo has no reduce-scatter of its own: torch runs one as an all-reduce of a clone of the whole
+input (cloned on the calling thread), then keeps this rank's chunk. The deferred reduce-scatter
+instead sends each rank its chunk (`all_to_all_single`, the bytes a reduce-scatter moves: half an
+all-reduce's) and sums the received chunks in rank order when it is waited on: 1.3-2x faster at 1-16
+MiB on 2 ranks, and no clone. At 2 ranks the sum is the same two-term addition gloo does, so the
+gradients are bit for bit the same (a test compares it with gloo's reduce-scatter); at more ranks
+only the order of the terms differs. Inputs and order of the collectives are otherwise unchanged.
 """
 
 import torch
@@ -30,17 +36,16 @@ class _InFlight:
     """Reduce-scatters issued async and not yet waited on, shared by every unit of one model."""
 
     def __init__(self) -> None:
-        # (work, input, output): the tensors stay referenced until gloo is done with them.
-        self.pending: list[tuple[dist.Work, torch.Tensor, torch.Tensor]] = []
+        self.pending: list[_ChunksInFlight] = []
         self.callback_task: int | None = None
         self.issued = {"deferred": 0, "synchronous": 0}  # for tests and benchmarks
 
     def wait(self) -> None:
         while self.pending:
-            self.pending.pop(0)[0].wait()
+            self.pending.pop(0).finish()
 
-    def add(self, work: dist.Work, input_tensor: torch.Tensor, output_tensor: torch.Tensor) -> None:
-        self.pending.append((work, input_tensor, output_tensor))
+    def add(self, chunks: "_ChunksInFlight") -> None:
+        self.pending.append(chunks)
         task = torch._C._current_graph_task_id()
         if self.callback_task != task:
             # Once per backward pass: wait for the last reduce-scatters before anything (clipping,
@@ -52,6 +57,24 @@ class _InFlight:
     def _end_of_backward(self) -> None:
         self.wait()
         self.callback_task = None
+
+
+class _ChunksInFlight:
+    """A reduce-scatter as an all-to-all of chunks: every rank's chunk for this rank arrives in
+    `received` ([ranks, chunk]); `finish` waits and reduces them into `output`."""
+
+    def __init__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op) -> None:
+        # The input stays referenced until gloo has sent it.
+        self.output, self.input, self.op = output_tensor, input_tensor, op
+        self.ranks = dist.get_world_size(group)
+        self.received = torch.empty_like(input_tensor)
+        self.work = dist.all_to_all_single(self.received, input_tensor, group=group, async_op=True)
+
+    def finish(self) -> None:
+        self.work.wait()
+        torch.sum(self.received.view(self.ranks, -1), dim=0, out=self.output.view(-1))
+        if self.op == dist.ReduceOp.AVG:
+            self.output.div_(self.ranks)
 
 
 class DeferredReduceScatter(ReduceScatter):
@@ -71,9 +94,7 @@ class DeferredReduceScatter(ReduceScatter):
             self.in_flight.issued["synchronous"] += 1
             return dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op)
         self.in_flight.issued["deferred"] += 1
-        # The call FSDP's default makes, with async_op: the same collective and the same numbers.
-        work = dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op, async_op=True)
-        self.in_flight.add(work, input_tensor, output_tensor)
+        self.in_flight.add(_ChunksInFlight(output_tensor, input_tensor, group, op))
         return None
 
     def _output_only_viewed(self, output_tensor: torch.Tensor, op) -> bool:
