@@ -232,6 +232,8 @@ def profile_plait(config: Config, workdir: Path, name: str, compile: bool, at: i
     every_rank = sorted(traces[-1].parent.glob(traces[-1].name.replace("_rank0", "_rank*")))
     if len(every_rank) > 1:  # rank 0 first: "rank0" sorts before every other rank's name
         summary["exposed_peer_late_ms"] = peer_wait(every_rank)[0]["exposed_peer_late_ms"]
+        # Each rank's kernel time, as a share of its own profiled step (the ranks' steps end together).
+        summary["rank_kernel_shares"] = [kernel_ms(s) / s["step_ms"] for s in map(summarize, every_rank)]
     return summary
 
 
@@ -319,9 +321,13 @@ def report(args, runs: dict[str, Run], profiles: dict[str, dict]) -> str:
     out.append("kernel share = kernel time / step time in plait's profiled step (the profiler's per-op cost "
                "inflates absolute times, so the share is applied to the unprofiled step); bound = plait / "
                "torchtitan / kernel share: the ratio plait would reach with no overhead at all (no Python, no "
-               "exposed communication) on today's kernels.\n")
-    out.append("| config | mode | plait / torchtitan | kernel share | bound | target reachable with these kernels |")
-    out.append("|---|---|---|---|---|---|")
+               "exposed communication) on today's kernels. With several ranks, rank 0's share counts its wait "
+               "for a rank with more kernel work (dropless EP: more expert rows) as overhead, though no "
+               "framework overhead removed could make the step shorter than that rank's kernels: the busiest "
+               "rank's share (the largest of every rank's) is the tighter bound, and distance = 1 - share.\n")  # fmt: skip
+    out.append("| config | mode | plait / torchtitan | kernel share rank 0 | bound | kernel share busiest rank "
+               "| bound | target reachable with these kernels |")  # fmt: skip
+    out.append("|---|---|---|---|---|---|---|---|")
     for name in CONFIGS:
         for mode in modes:
             p, t = runs.get(f"plait:{name}:{mode}"), runs.get(f"torchtitan:{name}:{mode}")
@@ -329,9 +335,11 @@ def report(args, runs: dict[str, Run], profiles: dict[str, dict]) -> str:
             if not s or not p or not t or p.median is None or t.median is None:
                 continue
             share = kernel_ms(s) / s["step_ms"]
-            bound = p.median / t.median / share
-            verdict = "yes" if bound >= TARGET else f"no: at most {bound:.2f}x"
-            out.append(f"| {name} | {mode} | {_ratio(p, t)} | {share:.0%} | {bound:.2f}x | {verdict} |")
+            busiest = max(s.get("rank_kernel_shares", [share]))
+            bound, tight = p.median / t.median / share, p.median / t.median / busiest
+            verdict = "yes" if tight >= TARGET else f"no: at most {tight:.2f}x"
+            out.append(f"| {name} | {mode} | {_ratio(p, t)} | {share:.0%} | {bound:.2f}x | {busiest:.0%} | "
+                       f"{tight:.2f}x | {verdict} |")  # fmt: skip
     out.append("")
     out.append("### Scaling on this machine (plait eager; 2 cores in all, ideal 1.0x)\n")
     out.append("| what | runs | tok/s | ratio |")
