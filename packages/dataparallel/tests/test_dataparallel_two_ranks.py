@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor, Replicate
 
 from plait.dataparallel import DataParallelConfig, apply_data_parallel
-from plait.dataparallel.cpu_overlap import reduce_scatters_issued
+from plait.dataparallel.cpu_overlap import AllToAllReduceScatter, reduce_scatters_issued
 from plait.mesh import ParallelConfigError, ParallelDims, build_meshes
 from plait.mesh.testing import RankError, run_on_ranks
 
@@ -79,6 +79,7 @@ def _cases(rank, world_size):
     out["fsdp_meta"] = dict(losses=train(meta_model, fsdp.dp_rank, fsdp.dp_degree, fsdp.dp.get_group()))
 
     out["experts_ep_only"] = _experts_without_expert_fsdp(world_size)
+    out["all_to_all_reduce_scatter"] = _all_to_all_vs_gloo_reduce_scatter()
     out["fsdp_bf16"] = _bf16_case(fsdp)
     out["replicate_bf16"] = _bf16_case(rep)
 
@@ -121,6 +122,22 @@ def _deferred_reduce_scatters(model, dp_rank):
         second={k: after[k] - middle[k] for k in before},
         doubled=doubled,
     )
+
+
+def _all_to_all_vs_gloo_reduce_scatter():
+    """Every CPU reduce-scatter of FSDP runs as an all-to-all of chunks summed in rank order: at 2
+    ranks the same two-term sums as gloo's own reduce-scatter, bit for bit (odd and large sizes,
+    both ops FSDP uses)."""
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    same = {}
+    for numel in (2, 6, 2 * 40_961):
+        x = torch.randn(numel, generator=gen) * 1e3
+        for op in AllToAllReduceScatter.OPS:
+            want, got = torch.empty(numel // 2), torch.full((numel // 2,), float("nan"))
+            dist.reduce_scatter_single(want, x, op=op)
+            AllToAllReduceScatter(got, x, None, op).finish()
+            same[f"{numel} {op}"] = torch.equal(got, want)
+    return same
 
 
 def _experts_without_expert_fsdp(world_size):
@@ -190,6 +207,12 @@ def test_gloo_reduce_scatters_deferred_only_where_fsdp_just_views_the_output(res
         assert got["doubled"]
         # CPU offload copies the output off at once: never deferred
         assert rank_result["fsdp_offload"]["issued"]["deferred"] == 0
+
+
+def test_all_to_all_reduce_scatter_is_gloos_bit_for_bit(results):
+    for rank_result in results:
+        cases = rank_result["all_to_all_reduce_scatter"]
+        assert len(cases) == 6 and all(cases.values()), cases
 
 
 def test_reshard_policies(results):
