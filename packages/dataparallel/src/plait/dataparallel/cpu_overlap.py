@@ -15,11 +15,12 @@ exposed, prefetched or not. Two changes give the CPU what the streams give the G
 
 Gloo has no reduce-scatter of its own: torch runs one as an all-reduce of a clone of the whole
 input (cloned on the calling thread), then keeps this rank's chunk. Every reduce-scatter here
-(deferred or not) instead sends each rank its chunk (`all_to_all_single`, the bytes a reduce-scatter moves: half an
-all-reduce's) and sums the received chunks in rank order when it is waited on: 1.3-2x faster at 1-16
-MiB on 2 ranks, and no clone. At 2 ranks the sum is the same two-term addition gloo does, so the
-gradients are bit for bit the same (a test compares it with gloo's reduce-scatter); at more ranks
-only the order of the terms differs. Inputs and order of the collectives are otherwise unchanged.
+(deferred or not) instead sends each rank its chunk (`all_to_all_single`: the bytes a
+reduce-scatter moves, half an all-reduce's) and sums the received chunks in rank order when it is
+waited on: 1.3-2x faster at 1-16 MiB on 2 ranks, and no clone. At 2 ranks the sum is the same
+two-term addition gloo does, so the gradients are bit for bit the same (a test compares it with
+gloo's reduce-scatter); at more ranks only the order of the terms differs. Which collectives run,
+on which inputs and in which order is otherwise unchanged.
 """
 
 import torch
