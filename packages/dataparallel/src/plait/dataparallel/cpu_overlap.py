@@ -14,14 +14,16 @@ exposed, prefetched or not. Two changes give the CPU what the streams give the G
   GPU) or at the end of backward. Anything else reads the output at once and stays synchronous.
 
 Gloo has no reduce-scatter of its own: torch runs one as an all-reduce of a clone of the whole
-input (cloned on the calling thread), then keeps this rank's chunk. Every reduce-scatter here
-(deferred or not) instead sends each rank its chunk (`all_to_all_single`: the bytes a
+input (cloned on the calling thread), then keeps this rank's chunk. On gloo every reduce-scatter
+here (deferred or not) instead sends each rank its chunk (`all_to_all_single`: the bytes a
 reduce-scatter moves, half an all-reduce's) and sums the received chunks in rank order when it is
 waited on: 1.3-2x faster at 1-16 MiB on 2 ranks, and no clone. At 2 ranks the sum is the same
 two-term addition gloo does, so the gradients are bit for bit the same (a test compares it with
 gloo's reduce-scatter); at more ranks only the order of the terms differs. Which collectives run,
 on which inputs and in which order is otherwise unchanged.
 """
+
+import threading
 
 import torch
 import torch.distributed as dist
@@ -37,7 +39,7 @@ class _InFlight:
     """Reduce-scatters issued async and not yet waited on, shared by every unit of one model."""
 
     def __init__(self) -> None:
-        self.pending: list[AllToAllReduceScatter] = []
+        self.pending: list[AllToAllReduceScatter | _NativeReduceScatter] = []
         self.callback_task: int | None = None
         self.issued = {"deferred": 0, "synchronous": 0}  # for tests and benchmarks
 
@@ -45,8 +47,8 @@ class _InFlight:
         while self.pending:
             self.pending.pop(0).finish()
 
-    def add(self, chunks: "AllToAllReduceScatter") -> None:
-        self.pending.append(chunks)
+    def add(self, issued: "AllToAllReduceScatter | _NativeReduceScatter") -> None:
+        self.pending.append(issued)
         task = torch._C._current_graph_task_id()
         if self.callback_task != task:
             # Once per backward pass: wait for the last reduce-scatters before anything (clipping,
@@ -58,6 +60,15 @@ class _InFlight:
     def _end_of_backward(self) -> None:
         self.wait()
         self.callback_task = None
+
+
+_issuing = threading.local()
+
+
+def issuing_reduce_scatter() -> bool:
+    """True while an `AllToAllReduceScatter` issues its all-to-all, so that a collective counter
+    (plait-plan's) counts it as the reduce-scatter it stands for, as on a backend that has one."""
+    return getattr(_issuing, "active", False)
 
 
 class AllToAllReduceScatter:
@@ -72,13 +83,37 @@ class AllToAllReduceScatter:
         self.output, self.input, self.op = output_tensor, input_tensor, op
         self.ranks = dist.get_world_size(group)
         self.received = torch.empty_like(input_tensor)
-        self.work = dist.all_to_all_single(self.received, input_tensor, group=group, async_op=True)
+        _issuing.active = True
+        try:
+            self.work = dist.all_to_all_single(self.received, input_tensor, group=group, async_op=True)
+        finally:
+            _issuing.active = False
 
     def finish(self) -> None:
         self.work.wait()
         torch.sum(self.received.view(self.ranks, -1), dim=0, out=self.output.view(-1))
         if self.op == dist.ReduceOp.AVG:
             self.output.div_(self.ranks)
+
+
+class _NativeReduceScatter:
+    """The backend's own reduce-scatter, async (a backend that has one, e.g. plait-plan's fake)."""
+
+    def __init__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op) -> None:
+        self.input, self.output = input_tensor, output_tensor  # referenced until the backend is done
+        self.work = dist.reduce_scatter_single(
+            output=output_tensor, input=input_tensor, group=group, op=op, async_op=True
+        )
+
+    def finish(self) -> None:
+        self.work.wait()
+
+
+def _reduce_scatter(output_tensor, input_tensor, group, op) -> "AllToAllReduceScatter | _NativeReduceScatter":
+    """Issue a reduce-scatter: on gloo (which has none of its own) as an all-to-all of chunks."""
+    if op in AllToAllReduceScatter.OPS and dist.get_backend(group) == "gloo":
+        return AllToAllReduceScatter(output_tensor, input_tensor, group, op)
+    return _NativeReduceScatter(output_tensor, input_tensor, group, op)
 
 
 class DeferredReduceScatter(ReduceScatter):
@@ -96,12 +131,10 @@ class DeferredReduceScatter(ReduceScatter):
         self.in_flight.wait()
         if not self._output_only_viewed(output_tensor, op):
             self.in_flight.issued["synchronous"] += 1
-            if op not in AllToAllReduceScatter.OPS:
-                return dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op)
-            AllToAllReduceScatter(output_tensor, input_tensor, group, op).finish()
+            _reduce_scatter(output_tensor, input_tensor, group, op).finish()
             return None
         self.in_flight.issued["deferred"] += 1
-        self.in_flight.add(AllToAllReduceScatter(output_tensor, input_tensor, group, op))
+        self.in_flight.add(_reduce_scatter(output_tensor, input_tensor, group, op))
         return None
 
     def _output_only_viewed(self, output_tensor: torch.Tensor, op) -> bool:

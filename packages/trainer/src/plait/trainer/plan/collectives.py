@@ -19,6 +19,8 @@ from torch.distributed._tools.fake_collectives import CollectiveOp
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from plait.dataparallel.cpu_overlap import issuing_reduce_scatter
+
 c10d = torch.ops.c10d
 fc = torch.ops._c10d_functional
 fca = torch.ops._c10d_functional_autograd
@@ -115,6 +117,10 @@ class CollectiveCounter(TorchDispatchMode):
         entry = _OPS.get(func)
         if entry is not None:
             kind, where = entry
+            if kind == "all_to_all" and issuing_reduce_scatter():
+                # FSDP's reduce-scatter on gloo, which has none: the same input bytes, counted as
+                # what it is (and what a plan under the fake backend, or NCCL, issues).
+                kind = "reduce_scatter"
             group = CollectiveOp.get_process_group(func, args)
             size = _nbytes(out if where == "out" else args[int(where[3])])
             if func is fc.all_gather_into_tensor_out.default:
