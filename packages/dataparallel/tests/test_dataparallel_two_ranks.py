@@ -125,7 +125,7 @@ def _deferred_reduce_scatters(model, dp_rank):
 
 
 def _all_to_all_vs_gloo_reduce_scatter():
-    """Every CPU reduce-scatter of FSDP runs as an all-to-all of chunks summed in rank order: at 2
+    """FSDP's reduce-scatters on gloo run as an all-to-all of chunks summed in rank order: at 2
     ranks the same two-term sums as gloo's own reduce-scatter, bit for bit (odd and large sizes,
     both ops FSDP uses)."""
     gen = torch.Generator().manual_seed(dist.get_rank())
