@@ -23,6 +23,8 @@ class ContextParallelAttention(nn.Module):
     v [B, G, S/cp, Dv] -> [B, H, S/cp, Dv], where S/cp are this rank's tokens, and optionally
     document_positions_BS [B, S]: the FULL rows' offsets inside their documents (the same on every
     cp rank; None: causal). Its segments are read on the host once per tensor and cached on it.
+    A model may pass the folded rows' document offsets after them (plait's models do); they are
+    accepted and not needed.
     """
 
     def __init__(self, mesh: DeviceMesh, method: str, layout: SequenceLayout, scale: float | None = None):
@@ -38,7 +40,10 @@ class ContextParallelAttention(nn.Module):
         k_BGLD: torch.Tensor,
         v_BGLD: torch.Tensor,
         document_positions_BS: torch.Tensor | None = None,
+        document_offsets: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        # document_offsets (the folded rows' document starts that a model's own attention takes)
+        # are not needed here: the plans come from the rows' boundaries, read on the host.
         scale = self.scale if self.scale is not None else q_BHLD.shape[-1] ** -0.5
         segments = None
         if document_positions_BS is not None:

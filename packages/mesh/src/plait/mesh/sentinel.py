@@ -7,8 +7,12 @@
   `allclose`, tensors built from Python data on the compute device, copies to the CPU);
 - precondition violations: tensors handed to a kernel or collective that break what its CUDA
   implementation requires (SDPA flash / efficient / cudnn inputs with a strided last dim or a
-  non-contiguous logsumexp, `_grouped_mm` offsets / strides / alignment, non-contiguous collective
-  buffers). CPU kernels honour any stride, so these pass every CPU test and break on CUDA.
+  non-contiguous logsumexp, a causal block that is not square, `_grouped_mm` offsets / strides /
+  alignment, non-contiguous collective buffers, and the inputs of plait's own kernel ops:
+  `plait::document_attention` against FlashAttention-2 varlen's, `plait::grouped_mm` against
+  `_grouped_mm`'s). CPU kernels honour any stride, so these pass every CPU test and break on CUDA.
+  A plait op is one kernel on a GPU: what its CPU kernel does inside (reading the document offsets
+  on the host) is not judged, its inputs are.
 
 Each record names the first source line outside torch and this file. Two layers see them: on a
 CPU run most syncs are no-ops that never reach the dispatcher (`.tolist()`, `.cpu()`), so the
@@ -416,11 +420,13 @@ _COLLECTIVE_EXEMPT = {"wait_tensor", "all_reduce", "all_reduce_coalesced"}
 # The compute kernels of a step: in a bf16 step, one of these in another dtype is a dtype-only bug
 # (an fp32 expert GEMM found this way looked right in every loss comparison).
 _MATMUL_PACKETS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_mm", *_SDPA_PACKETS}
+# plait's kernel ops (namespace plait), whose data inputs must be in the step's compute dtype too.
+_PLAIT_KERNELS = {"grouped_mm", "document_attention", "document_attention_backward"}
 
 
 def _off_dtype(packet: str, args, kwargs, dtype: torch.dtype) -> str | None:
     """The dtypes of a compute kernel's data inputs that are not `dtype` (None: all are)."""
-    if packet in _SDPA_PACKETS:
+    if packet in _SDPA_PACKETS or packet.startswith("document_attention"):
         # q, k, v (backward: grad_out, q, k, v, out); the fp32 log-sum-exp is fp32 by design.
         data = args[:5] if packet.endswith("_backward") else args[:3]
     else:
@@ -478,6 +484,13 @@ def _dense_lse(func, lse: torch.Tensor) -> bool:
 
 
 def _sdpa_violations(func, args, kwargs):
+    named = dict(_named_args(func, args, kwargs))
+    query, key = named.get("query"), named.get("key")
+    if named.get("is_causal") and isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor):
+        if query.dim() == 4 and query.shape[-2] != key.shape[-2]:
+            # FA2 aligns a causal mask bottom-right when the lengths differ, the CPU kernel top-left:
+            # only a square block means the same on both.
+            yield f"causal block of {query.shape[-2]} queries x {key.shape[-2]} keys: not square"
     for name, value in _named_args(func, args, kwargs):
         if not isinstance(value, torch.Tensor):
             continue
@@ -543,6 +556,46 @@ def _grouped_mm_violations(args, kwargs):
             yield f"offs must be 1-D and contiguous (shape {tuple(offs.shape)}, strides {tuple(offs.stride())})"
 
 
+# FlashAttention-2 varlen (flash_api.cpp mha_varlen_fwd / mha_varlen_bwd): int32 contiguous
+# cu_seqlens on the device, one head dim for q and k that is a multiple of 8 and at most 256 (v is
+# padded to it by the op), a unit stride in the head dim, heads a multiple of the kv heads.
+_VARLEN_MAX_HEAD_DIM = 256
+
+
+def _document_attention_violations(func, args, kwargs):
+    named = dict(_named_args(func, args, kwargs))
+    q, k, v, cu = (named.get(n) for n in ("q", "k", "v", "cu_seqlens"))
+    if cu.dtype != torch.int32:
+        yield f"cu_seqlens dtype {cu.dtype}, FlashAttention-2 varlen needs torch.int32"
+    if cu.dim() != 1 or not cu.is_contiguous():
+        yield f"cu_seqlens must be 1-D and contiguous (shape {tuple(cu.shape)}, strides {tuple(cu.stride())})"
+    if cu.device != q.device:
+        yield f"cu_seqlens on {cu.device}, q on {q.device}: the kernel reads it on q's device"
+    head_dim = q.shape[-1]
+    if k.shape[-1] != head_dim:
+        yield f"q head dim {head_dim} != k head dim {k.shape[-1]}"
+    if head_dim % 8 or head_dim > _VARLEN_MAX_HEAD_DIM:
+        yield f"head dim {head_dim}: varlen needs a multiple of 8, at most {_VARLEN_MAX_HEAD_DIM} (else one call per document)"
+    if v.shape[-1] > head_dim:
+        yield f"v head dim {v.shape[-1]} > q head dim {head_dim}: only narrower values are padded"
+    if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
+        yield f"heads q {q.shape[1]}, k {k.shape[1]}, v {v.shape[1]}: q's must be a multiple of k's, k's = v's"
+    for name in ("q", "k", "v"):
+        t = named[name]
+        if t.stride(-1) != 1:
+            yield f"{name} stride(-1) = {t.stride(-1)}, the CUDA kernel needs 1"
+        if t.dtype != q.dtype:
+            yield f"{name} dtype {t.dtype}, q has {q.dtype}"
+
+
+def _plait_op_violations(func, args, kwargs):
+    packet = func._overloadpacket.__name__
+    if packet in ("document_attention", "document_attention_backward"):
+        yield "document_attention", _document_attention_violations(func, args, kwargs)
+    elif packet == "grouped_mm":
+        yield "grouped_mm", _grouped_mm_violations(args, kwargs)
+
+
 def _collective_violations(func, args, kwargs):
     for name, value in _named_args(func, args, kwargs):
         for t in _tensors_of(value):
@@ -586,8 +639,17 @@ class _AtenMode(TorchDispatchMode):
             elif namespace in ("c10d", "_c10d_functional") and packet not in _COLLECTIVE_EXEMPT:
                 for detail in _collective_violations(func, args, kwargs):
                     _record("collective", str(func), detail, sync=False)
+            elif namespace == "plait":
+                for kind, details in _plait_op_violations(func, args, kwargs):
+                    for detail in details:
+                        _record(kind, str(func), detail, sync=False)
+                if packet in _PLAIT_KERNELS and not _busy():
+                    _record_dtype(func, args, kwargs)
         except Exception as e:  # a check must never change what the step computes
             _record("sentinel_error", str(func), f"{type(e).__name__}: {e}", sync=False)
+        if namespace == "plait":
+            with _suppressed():  # one kernel on a GPU: its CPU kernel's insides are not the step's
+                return func(*args, **kwargs)
         return func(*args, **kwargs)
 
 

@@ -6,7 +6,8 @@ from torch import nn
 
 from plait.models import cpu_bf16
 from plait.models.cpu_bf16 import Linear
-from plait.models.documents import check_document_positions, row_segments
+from plait.models.document_attention import document_attention
+from plait.models.documents import check_document_positions, offsets_of
 
 
 class ScaledDotProductAttention(nn.Module):
@@ -19,7 +20,9 @@ class ScaledDotProductAttention(nn.Module):
     is part of that contract.
 
     `document_positions_BS` (int32 [B, S], plait.models.documents) switches to the document mask:
-    each segment of a packed row attends causally within itself only, one kernel call per segment.
+    each segment of a packed row attends causally within itself only, in one op for the whole
+    batch (plait.models.document_attention) given the documents' offsets in the folded tokens,
+    `document_offsets` (the model's forward builds them once for every layer: offsets_of).
     """
 
     def __init__(self, scale: float | None = None):
@@ -32,40 +35,19 @@ class ScaledDotProductAttention(nn.Module):
         k_BGSD: torch.Tensor,
         v_BGSD: torch.Tensor,
         document_positions_BS: torch.Tensor | None = None,
+        document_offsets: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if document_positions_BS is None:
             return causal_attention(q_BHSD, k_BGSD, v_BGSD, self.scale)
-        return document_attention(q_BHSD, k_BGSD, v_BGSD, document_positions_BS, self.scale)
-
-
-# The per-segment loop reads host data and has data-dependent slices: a compiled block calls it
-# eagerly (like context parallel's attention), and the kernels inside are the same as causal's.
-@torch.compiler.disable
-def document_attention(q_BHSD, k_BGSD, v_BGSD, document_positions_BS, scale: float | None) -> torch.Tensor:
-    """Block-diagonal causal attention over the segments of each row.
-
-    The rows and segments are cut with `split`, not slices: autograd then joins the pieces'
-    gradients with one `cat`, where a slice's backward writes its piece into a zero tensor of the
-    whole input's size (one such tensor, and one add, per segment, per q, k and v)."""
-    B, _, S, _ = q_BHSD.shape
-    check_document_positions(document_positions_BS, B, S)
-    segments = row_segments(document_positions_BS)
-    if segments.count(segments[0]) == B:  # every row cut the same way: batch the calls
-        row_groups = [(q_BHSD, k_BGSD, v_BGSD, segments[0])]
-    else:
-        row_groups = zip(q_BHSD.split(1), k_BGSD.split(1), v_BGSD.split(1), segments, strict=True)
-    rows_out = []
-    for q, k, v, bounds in row_groups:
-        if len(bounds) == 2:  # one segment: plain causal attention over the row
-            rows_out.append(causal_attention(q, k, v, scale))
-            continue
-        lengths = [e - s for s, e in zip(bounds, bounds[1:])]
-        pieces = [
-            causal_attention(q_piece, k_piece, v_piece, scale)
-            for q_piece, k_piece, v_piece in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2))
-        ]
-        rows_out.append(torch.cat(pieces, dim=2))
-    return rows_out[0] if len(rows_out) == 1 else torch.cat(rows_out, dim=0)
+        B, H, S, _ = q_BHSD.shape
+        check_document_positions(document_positions_BS, B, S)
+        if document_offsets is None:  # eager callers; the model passes them (no host read in a graph)
+            document_offsets = offsets_of(document_positions_BS)
+        # [B, H, S, D] -> the folded tokens [B x S, H, D]: the models' q / k / v are transposed
+        # views of [B, S, H, D], so this is a view there.
+        q_THA, k_TGA, v_TGA = (t.transpose(1, 2).reshape(B * S, t.shape[1], t.shape[-1]) for t in (q_BHSD, k_BGSD, v_BGSD))
+        out_THA = document_attention(q_THA, k_TGA, v_TGA, document_offsets, S, self.scale)
+        return out_THA.view(B, S, H, -1).transpose(1, 2)
 
 
 def causal_attention(q_BHSD, k_BGSD, v_BGSD, scale: float | None) -> torch.Tensor:

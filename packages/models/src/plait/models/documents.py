@@ -5,10 +5,12 @@ offset inside its document: 0 at a document's first token; a row that starts ins
 continues its offset. A row's segments are the runs cut at every 0 and at the row start; under
 the "document" mask a query sees only the earlier keys of its own segment (block-diagonal causal).
 
-Attention computes that exactly without an S x S mask: one causal kernel call per segment, so
-the fully masked blocks are never computed. The segments are read on the host once per tensor
-(cached on it for every layer, the backward and activation-checkpoint recomputes): free on CPU,
-the one host sync of document masking on CUDA.
+Attention computes that exactly without an S x S mask, in one op per layer
+(plait.models.document_attention) over the rows folded into T = B x S tokens, given the
+documents' offsets in that fold (`document_offsets`: int32, a fixed shape). The segments are read
+on the host once per tensor (cached on it for every layer, the backward and activation-checkpoint
+recomputes), and the offsets built from them there: the trainer does both on the loader's CPU
+tensor before the step (`to_device_with_segments`), so the step reads nothing back from the device.
 """
 
 import torch
@@ -17,6 +19,12 @@ ATTENTION_MASKS = ("causal", "document")
 ROPE_POSITIONS = ("sequence", "document")
 
 _CACHE_ATTR = "_plait_document_segments"
+_OFFSETS_ATTR = "_plait_document_offsets"
+# Room for this many documents per row at least; more grow it to the next power of two. FA2's
+# varlen kernels launch blocks (and its backward allocates 128 rows of fp32 scratch) per document
+# slot, so room for every possible document (S / 2 of them at seq 8192) would cost more than the
+# attention: a small fixed capacity that grows rarely keeps the shape static and the waste nil.
+MIN_DOCUMENTS_PER_ROW = 16
 
 
 def row_segments(document_positions_BS: torch.Tensor) -> tuple[tuple[int, ...], ...]:
@@ -35,12 +43,57 @@ def row_segments(document_positions_BS: torch.Tensor) -> tuple[tuple[int, ...], 
     return segments
 
 
-def to_device_with_segments(document_positions_BS: torch.Tensor, device) -> torch.Tensor:
-    """The tensor on `device`, carrying the segments read from it on the host: read them while the
-    tensor is still on the CPU (row_segments) and the step never reads them back from the device."""
+def documents_capacity(segments, at_least: int = MIN_DOCUMENTS_PER_ROW) -> int:
+    """Documents per row the offsets have room for: `at_least`, doubled until the row with the
+    most segments fits. A caller that keeps the largest capacity it has seen (the trainer) keeps
+    the offsets' shape fixed over a run, growing a handful of times at most."""
+    most = max((len(bounds) - 1 for bounds in segments), default=1)
+    capacity = max(1, at_least)
+    while capacity < most:
+        capacity *= 2
+    return capacity
+
+
+def document_offsets(segments, seq_len: int, capacity: int | None = None) -> torch.Tensor:
+    """The documents' starts in the rows folded into B x S tokens, then B x S, padded at the end
+    with B x S to B x capacity + 1 entries (int32, on the host). What document attention's
+    kernels take as `cu_seqlens`; the padding's documents are empty."""
+    capacity = documents_capacity(segments) if capacity is None else capacity
+    offsets = [0]
+    for row, bounds in enumerate(segments):
+        if len(bounds) - 1 > capacity:
+            raise ValueError(f"row {row} holds {len(bounds) - 1} documents, the offsets have room for {capacity}")
+        offsets.extend(row * seq_len + end for end in bounds[1:])
+    total = len(segments) * seq_len
+    offsets.extend([total] * (len(segments) * capacity + 1 - len(offsets)))
+    return torch.tensor(offsets, dtype=torch.int32)
+
+
+def offsets_of(document_positions_BS: torch.Tensor) -> torch.Tensor:
+    """The offsets (`document_offsets`) of these rows on their device: the ones the trainer built
+    on the host and moved with the tensor, else built now from the host segments (row_segments)
+    and cached on it. Call it outside compiled code (the model's forward does, once per step)."""
+    cached = getattr(document_positions_BS, _OFFSETS_ATTR, None)
+    if cached is not None:
+        return cached
+    _, S = document_positions_BS.shape
+    offsets = document_offsets(row_segments(document_positions_BS), S).to(
+        document_positions_BS.device, non_blocking=True
+    )
+    setattr(document_positions_BS, _OFFSETS_ATTR, offsets)
+    return offsets
+
+
+def to_device_with_segments(document_positions_BS: torch.Tensor, device, capacity: int | None = None) -> torch.Tensor:
+    """The tensor on `device`, carrying the segments read from it on the host and the offsets
+    built from them there (with room for `capacity` documents per row; default: the fewest
+    powers of two that fit): read while the tensor is still on the CPU, so the step never reads
+    them back from the device, and the offsets' copy is queued with the tensor's."""
+    segments = row_segments(document_positions_BS)
+    offsets = document_offsets(segments, document_positions_BS.shape[1], capacity)
     moved = document_positions_BS.to(device, non_blocking=True)
-    if moved is not document_positions_BS:
-        setattr(moved, _CACHE_ATTR, row_segments(document_positions_BS))
+    setattr(moved, _CACHE_ATTR, segments)
+    setattr(moved, _OFFSETS_ATTR, offsets.to(device, non_blocking=True))
     return moved
 
 

@@ -12,6 +12,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+import plait.models.document_attention  # noqa: F401  (registers plait::document_attention)
+import plait.models.moe.grouped_mm_op  # noqa: F401  (registers plait::grouped_mm)
+
 # Outputs worth keeping under selective checkpointing: the matmuls and attention, which are the
 # expensive ops to recompute. Everything else (norms, activations, RoPE, casts) is recomputed.
 _SAVE_OPS = {
@@ -33,6 +36,9 @@ for _name in ("reduce_scatter_tensor", "all_gather_into_tensor", "all_reduce", "
         _SAVE_OPS.add(_op.default)
 if hasattr(torch.ops.aten, "_grouped_mm"):
     _SAVE_OPS.add(torch.ops.aten._grouped_mm.default)
+# plait's own kernel ops, registered when plait.models is imported: document attention (one op per
+# layer, its output and log-sum-exp) and the experts' grouped GEMM, whose insides SAC never sees.
+_SAVE_OPS.update({torch.ops.plait.document_attention.default, torch.ops.plait.grouped_mm.default})
 
 
 # Profiler ranges are not computation, but SAC counts every op it sees and asks the recompute for

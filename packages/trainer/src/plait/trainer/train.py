@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
 
 from plait.mesh import build_meshes, clip_grad_norm_, destroy_distributed, grad_norm, init_distributed
-from plait.models.documents import row_segments, to_device_with_segments
+from plait.models.documents import MIN_DOCUMENTS_PER_ROW, documents_capacity, row_segments, to_device_with_segments
 
 from . import exit_codes
 from .checkpoint import CheckpointManager
@@ -234,6 +234,9 @@ class Trainer:
 
     # ---- one step ---------------------------------------------------------------------------
 
+    # Documents per row the attention offsets have room for (the high-water mark of _read_documents).
+    _documents_capacity = MIN_DOCUMENTS_PER_ROW
+
     def _local_batch(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, document_positions_BS=None):
         """(tokens, labels, RoPE positions, document positions) this rank computes: under context
         parallel its share of every sequence in the load-balanced order, with the positions of those
@@ -243,7 +246,7 @@ class Trainer:
         labels_BS = labels_BS.to(self.device, non_blocking=True)
         documents = None
         if self.plan.model_args.attention_mask == "document":
-            documents = to_device_with_segments(document_positions_BS, self.device)
+            documents = to_device_with_segments(document_positions_BS, self.device, self._documents_capacity)
         layout = self.pm.cp_layout
         if layout is None:
             # A later pipeline stage receives hidden states, sequence-sharded under sequence
@@ -271,7 +274,9 @@ class Trainer:
         if args.attention_mask != "document":
             return
         for _, _, document_positions_BS in micro_batches:
-            row_segments(document_positions_BS)
+            # The offsets keep room for the most documents a row has held so far (a power of two):
+            # one shape for the run's compiled blocks and CUDA graphs, growing a handful of times.
+            self._documents_capacity = documents_capacity(row_segments(document_positions_BS), self._documents_capacity)
             if args.rope_positions == "document":
                 longest = int(document_positions_BS.max()) + 1
                 if longest > args.max_seq_len:

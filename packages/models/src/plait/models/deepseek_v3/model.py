@@ -14,7 +14,7 @@ from plait.models.common import INIT_STD, ScaledDotProductAttention
 from plait.models.cpu_bf16 import Linear
 from plait.models.deepseek_v3.args import ModelArgs
 from plait.models.deepseek_v3.rope import rope_tables, softmax_scale
-from plait.models.documents import attention_inputs
+from plait.models.documents import attention_inputs, offsets_of
 from plait.models.llama3.rope import apply_rope, rope_at
 from plait.models.moe import FeedForward, MoE, TokenChoiceTopKRouter
 
@@ -55,6 +55,7 @@ class Attention(nn.Module):
     def forward(
         self, x_BSD: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
         document_positions_BS: torch.Tensor | None = None,
+        document_offsets: torch.Tensor | None = None,
     ) -> torch.Tensor:
         B, S, _ = x_BSD.shape
 
@@ -75,8 +76,9 @@ class Attention(nn.Module):
         q_BSHQ = torch.cat([q_nope_BSHN, q_rope_BSHR], dim=-1)
         k_BSHQ = torch.cat([k_nope_BSHN, k_rope_BS1R.expand(-1, -1, H, -1)], dim=-1)
 
-        # Causal calls keep the 3-argument sdpa contract; the document mask adds its positions.
-        documents = () if document_positions_BS is None else (document_positions_BS,)
+        # Causal calls keep the 3-argument sdpa contract; the document mask adds its positions
+        # and their offsets in the folded tokens.
+        documents = () if document_positions_BS is None else (document_positions_BS, document_offsets)
         out_BHSV = self.sdpa(
             q_BSHQ.transpose(1, 2), k_BSHQ.transpose(1, 2), v_BSHV.transpose(1, 2), *documents
         )
@@ -139,8 +141,9 @@ class TransformerBlock(nn.Module):
     def forward(
         self, x_BSD: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
         document_positions_BS: torch.Tensor | None = None,
+        document_offsets: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), rope_cos, rope_sin, document_positions_BS)
+        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), rope_cos, rope_sin, document_positions_BS, document_offsets)
         ffn = self.moe if self.is_moe else self.feed_forward
         return h_BSD + ffn(self.ffn_norm(h_BSD))
 
@@ -181,9 +184,12 @@ class Transformer(nn.Module):
         positions, mask_positions_BS = attention_inputs(
             self.args.attention_mask, self.args.rope_positions, tokens_BS, positions, document_positions
         )
+        # Built once for every layer, outside the compiled blocks (a host read in eager code, or
+        # the offsets the trainer moved with the positions).
+        mask_offsets = None if mask_positions_BS is None else offsets_of(mask_positions_BS)
         rope_cos, rope_sin = rope_at(self.rope_cos, self.rope_sin, positions)
         for layer in self.layers.values():
-            h_BSD = layer(h_BSD, rope_cos, rope_sin, mask_positions_BS)
+            h_BSD = layer(h_BSD, rope_cos, rope_sin, mask_positions_BS, mask_offsets)
         h_BSD = self.norm(h_BSD) if self.norm is not None else h_BSD
         return self.output(h_BSD) if self.output is not None else h_BSD
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from plait.models.common import INIT_STD, FeedForward, ScaledDotProductAttention
 from plait.models.cpu_bf16 import Linear
-from plait.models.documents import attention_inputs
+from plait.models.documents import attention_inputs, offsets_of
 from plait.models.llama3.args import ModelArgs
 from plait.models.llama3.rope import apply_rope, rope_at, rope_tables
 
@@ -35,6 +35,7 @@ class Attention(nn.Module):
     def forward(
         self, x_BSD: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
         document_positions_BS: torch.Tensor | None = None,
+        document_offsets: torch.Tensor | None = None,
     ) -> torch.Tensor:
         B, S, _ = x_BSD.shape
         # Head counts are inferred (-1), so tensor parallel's local heads work unchanged.
@@ -47,8 +48,9 @@ class Attention(nn.Module):
 
         # G kv heads go to the sdpa module as they are: the kernels do grouped-query attention
         # natively, without copying K/V up to H heads.
-        # Causal calls keep the 3-argument sdpa contract; the document mask adds its positions.
-        documents = () if document_positions_BS is None else (document_positions_BS,)
+        # Causal calls keep the 3-argument sdpa contract; the document mask adds its positions
+        # and their offsets in the folded tokens.
+        documents = () if document_positions_BS is None else (document_positions_BS, document_offsets)
         out_BHSD = self.sdpa(
             q_BSHD.transpose(1, 2), k_BSGD.transpose(1, 2), v_BSGD.transpose(1, 2), *documents
         )
@@ -81,8 +83,9 @@ class TransformerBlock(nn.Module):
     def forward(
         self, x_BSD: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
         document_positions_BS: torch.Tensor | None = None,
+        document_offsets: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), rope_cos, rope_sin, document_positions_BS)
+        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), rope_cos, rope_sin, document_positions_BS, document_offsets)
         return h_BSD + self.feed_forward(self.ffn_norm(h_BSD))
 
     def init_weights(self):
@@ -139,9 +142,12 @@ class Transformer(nn.Module):
         positions, mask_positions_BS = attention_inputs(
             self.args.attention_mask, self.args.rope_positions, tokens, positions, document_positions
         )
+        # Built once for every layer, outside the compiled blocks (a host read in eager code, or
+        # the offsets the trainer moved with the positions).
+        mask_offsets = None if mask_positions_BS is None else offsets_of(mask_positions_BS)
         rope_cos, rope_sin = rope_at(self.rope_cos, self.rope_sin, positions)
         for layer in self.layers.values():
-            h_BSD = layer(h_BSD, rope_cos, rope_sin, mask_positions_BS)
+            h_BSD = layer(h_BSD, rope_cos, rope_sin, mask_positions_BS, mask_offsets)
         h_BSD = self.norm(h_BSD) if self.norm is not None else h_BSD
         return self.output(h_BSD) if self.output is not None else h_BSD
 
