@@ -1,11 +1,15 @@
-"""Document masking (issue 22) on the device under test: the models' per-segment attention and
-context parallel's document plans on the CUDA kernels, against math attention per document, and
-a document-masked forward + backward without a host sync when the segments were read beforehand.
+"""Document masking on the device under test: the models' one op per layer
+(`plait::document_attention`) and context parallel's document plans on the CUDA kernels, against
+math attention per document, and a document-masked forward + backward without a host sync when the
+segments and offsets were built on the host beforehand.
 
-No CUDA-only branch is added by document masking: the kernels are the causal ones (per segment),
-chosen by the same rules (`kernels._kernel`, F.scaled_dot_product_attention). What differs on CUDA
-is which kernel runs and that reading the segments from a device tensor would sync: the trainer
-reads them from the loader's CPU tensor first (`plait.models.documents.to_device_with_segments`).
+CUDA-only branches tested here:
+- plait/models/document_attention.py `kernel_route` -> "varlen" (`_varlen_forward` /
+  `_varlen_backward`: one FlashAttention-2 varlen call each, window (-1, 0) or is_causal by the
+  schema): test_model_document_attention (bf16, GQA and MLA's padded values, padded offsets),
+  test_varlen_is_one_flash_call_per_layer, test_compiled_document_block;
+- the CUDA fp32 fallback (one math call per document): test_model_document_attention (fp32);
+- the trainer's host-built offsets moved with the positions: test_document_step_does_not_sync...
 
 Reference: per document, fp32 math SDPA, causal, on the same dtype-rounded inputs. Tolerances as in
 test_gpu_contextparallel.py: fp32 1e-4, bf16 2e-2 of the reference's largest magnitude.
@@ -17,8 +21,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from plait.contextparallel import ContextParallelAttention, SequenceLayout
-from plait.models.common import document_attention
-from plait.models.documents import row_segments, to_device_with_segments
+from plait.models import llama3
+from plait.models.common import ScaledDotProductAttention
+from plait.models.document_attention import flash_signature, kernel_route
+from plait.models.documents import offsets_of, row_segments, to_device_with_segments
 
 SHAPES = {"gqa": (8, 2, 64, 64), "mla": (4, 4, 192, 128)}  # (H, G, Dqk, Dv)
 # Row 0: a document tail (offset 5), a 1-token document, 16, 30, 12 tokens; row 1: one document.
@@ -77,11 +83,58 @@ def _run(attend, q, k, v, dout, dtype, what):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_model_document_attention(device, shape, dtype):
-    """plait.models.common.document_attention: one causal SDPA call per segment (flash on CUDA bf16
-    for equal head dims; MLA's narrower values take SDPA's own choice) equals each document alone."""
+    """The models' attention module on documents: plait::document_attention (CUDA bf16: one FA2
+    varlen call, MLA's values padded to 192; fp32: one math call per document; offsets padded to 16
+    documents per row) equals each document alone."""
     q, k, v, dout = _inputs(device, dtype, shape)
-    positions = _document_positions().to(device)
-    _run(lambda *t: document_attention(*t, positions, 0.1), q, k, v, dout, dtype, f"models {shape} {dtype}")
+    positions = to_device_with_segments(_document_positions(), device)
+    attention = ScaledDotProductAttention(scale=0.1)
+    _run(lambda *t: attention(*t, positions, offsets_of(positions)), q, k, v, dout, dtype, f"models {shape} {dtype}")
+
+
+def test_flash_signature_found():
+    line = flash_signature()
+    print(line)
+    assert "aten._flash_attention_forward" in line and "missing" not in line, line
+
+
+@pytest.mark.cuda_only
+@pytest.mark.parametrize("shape", SHAPES)
+def test_varlen_is_one_flash_call_per_layer(device, shape):
+    """bf16 on CUDA takes the varlen route: one aten._flash_attention_forward and one backward for
+    the whole batch, whatever the documents (here 6 across 2 rows)."""
+    q, k, v, dout = _inputs(device, torch.bfloat16, shape)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    assert kernel_route(q) == "varlen"
+    positions = to_device_with_segments(_document_positions(), device)
+    attention = ScaledDotProductAttention(scale=0.1)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        attention(q, k, v, positions, offsets_of(positions)).backward(dout)
+    names = [e.name for e in prof.events()]
+    assert names.count("aten::_flash_attention_forward") == 1, names
+    assert names.count("aten::_flash_attention_backward") == 1, names
+    assert names.count("aten::_scaled_dot_product_flash_attention") == 0
+
+
+@pytest.mark.cuda_only
+def test_compiled_document_block(device):
+    """A document-masked Llama 3 block compiled with inductor, fullgraph: the op traces through its
+    fake kernel and runs varlen; equal to the eager block within bf16 noise."""
+    args = llama3.ModelArgs(dim=512, n_layers=1, n_heads=8, n_kv_heads=2, vocab_size=256, max_seq_len=SEQ,
+                            multiple_of=64, attention_mask="document")
+    model = llama3.Transformer(args).to(device)
+    model.init_weights()
+    model.to(torch.bfloat16)
+    block = model.layers["0"]
+    positions = to_device_with_segments(_document_positions(), device)
+    cos, sin = llama3.rope.rope_at(model.rope_cos, model.rope_sin, torch.arange(SEQ, device=device))
+    x = torch.randn(2, SEQ, 512, device=device, dtype=torch.bfloat16, requires_grad=True)
+    compiled = torch.compile(block, fullgraph=True)
+    got, want = compiled(x, cos, sin, positions, offsets_of(positions)), block(x, cos, sin, positions, offsets_of(positions))
+    _check(got.detach(), want.detach().float(), torch.bfloat16, "compiled block")
+    (g_got,) = torch.autograd.grad(got.float().sum(), x)
+    (g_want,) = torch.autograd.grad(want.float().sum(), x)
+    _check(g_got, g_want.float(), torch.bfloat16, "compiled block dx")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -105,8 +158,10 @@ def test_document_step_does_not_sync_when_segments_were_read_first(device, one_r
     row_segments(cpu_positions)
     positions = to_device_with_segments(cpu_positions, device)
     if where == "models":
+        attention, offsets = ScaledDotProductAttention(scale=0.1), offsets_of(positions)
+
         def attend(*t):
-            return document_attention(*t, positions, 0.1)
+            return attention(*t, positions, offsets)
     else:
         attention = ContextParallelAttention(one_rank_mesh, where, SequenceLayout(1, True), scale=0.1)
 

@@ -76,10 +76,10 @@ def test_dense_llama_step_makes_no_host_sync(device, tmp_path):
 
 
 def test_document_masked_llama_step_makes_no_host_sync(device, tmp_path):
-    """CUDA branch: plait/models/common.py:document_attention in the trainer's step (the loader reads
-    each row's segments on the host before the copy, to_device_with_segments) -- a document-masked
-    Llama step (one flash call per document, rows of several documents at seq 512) makes no
-    synchronizing CUDA call."""
+    """CUDA branch: plait::document_attention's varlen route in the trainer's step (the trainer reads
+    each row's segments and builds the offsets on the host before the copy, to_device_with_segments)
+    -- a document-masked Llama step (one FA2 varlen call per layer, rows of several documents at seq
+    512) makes no synchronizing CUDA call."""
     args = [*LLAMA, *_bf16(device), "--model.attention_mask", "document", "--training.seq_len", "512"]
     watch, rows = _run(tmp_path, device, "error", *args)
     assert watch.step_counts() == [(0, 0)] * 3, watch.report()
