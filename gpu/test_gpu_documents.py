@@ -9,7 +9,11 @@ CUDA-only branches tested here:
   schema): test_model_document_attention (bf16, GQA and MLA's padded values, padded offsets),
   test_varlen_is_one_flash_call_per_layer, test_compiled_document_block;
 - the CUDA fp32 fallback (one math call per document): test_model_document_attention (fp32);
-- the trainer's host-built offsets moved with the positions: test_document_step_does_not_sync...
+- the trainer's host-built offsets moved with the positions: test_document_step_does_not_sync...;
+- plait/contextparallel/kernels.py `documents_forward` / `documents_backward` varlen branch (the
+  causal squares of a CP document plan in one call, blockwise.Diagonal), all-gather, ring and
+  Ulysses: test_context_parallel_documents_on_one_rank_group (bf16),
+  test_context_parallel_diagonal_is_one_varlen_call.
 
 Reference: per document, fp32 math SDPA, causal, on the same dtype-rounded inputs. Tolerances as in
 test_gpu_contextparallel.py: fp32 1e-4, bf16 2e-2 of the reference's largest magnitude.
@@ -141,11 +145,31 @@ def test_compiled_document_block(device):
 @pytest.mark.parametrize("method", ["allgather", "ring", "ulysses"])
 def test_context_parallel_documents_on_one_rank_group(device, one_rank_mesh, method, dtype):
     """contextparallel's document plans on the real autograd functions and collectives of a 1-rank
-    group (NCCL on CUDA), with the flash kernels: equal to each document alone."""
+    group (NCCL on CUDA), with the flash kernels (bf16 on CUDA: the causal squares in one FA2
+    varlen call, merged with the other blocks through the lse): equal to each document alone."""
     q, k, v, dout = _inputs(device, dtype, "gqa")
     positions = _document_positions().to(device)
     attention = ContextParallelAttention(one_rank_mesh, method, SequenceLayout(1, True), scale=0.1)
     _run(lambda *t: attention(*t, positions), q, k, v, dout, dtype, f"cp {method} {dtype}")
+
+
+@pytest.mark.cuda_only
+@pytest.mark.parametrize("method", ["allgather", "ring", "ulysses"])
+def test_context_parallel_diagonal_is_one_varlen_call(device, one_rank_mesh, method):
+    """Under CP the documents' causal squares are one aten._flash_attention_forward / backward per
+    layer, however many documents the rows hold (here 6)."""
+    q, k, v, dout = _inputs(device, torch.bfloat16, "gqa")
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    positions = to_device_with_segments(_document_positions(), device)
+    attention = ContextParallelAttention(one_rank_mesh, method, SequenceLayout(1, True), scale=0.1)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        attention(q, k, v, positions).backward(dout)
+    names = [e.name for e in prof.events()]
+    # The other blocks' SDPA flash calls run aten::_flash_attention_forward / _backward inside.
+    sdpa = names.count("aten::_scaled_dot_product_flash_attention")
+    sdpa_backward = names.count("aten::_scaled_dot_product_flash_attention_backward")
+    assert names.count("aten::_flash_attention_forward") - sdpa == 1, names
+    assert names.count("aten::_flash_attention_backward") - sdpa_backward == 1, names
 
 
 @pytest.mark.cuda_only

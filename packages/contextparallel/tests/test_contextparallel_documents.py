@@ -22,7 +22,13 @@ from plait.contextparallel import (
     shard_sequence,
     unshard_sequence,
 )
-from plait.contextparallel.blockwise import blocks_backward, blocks_forward, segments_backward, segments_forward
+from plait.contextparallel.blockwise import (
+    Diagonal,
+    blocks_backward,
+    blocks_forward,
+    diagonal_backward,
+    diagonal_forward,
+)
 from plait.contextparallel.documents import boundaries_from_lengths, work
 from plait.contextparallel.kernels import MergedAttention
 from plait.contextparallel.layout import Block
@@ -126,8 +132,13 @@ def _simulate(method, q, k, v, dout, layout, positions, scale):
     segments = document_segments(positions)
     if method == "ulysses":  # every rank holds the whole sequence for its heads: one rank's worth
         blocks = segments.plan(range(layout.n_chunks), range(layout.n_chunks), chunk)
-        out, lse = segments_forward(q, k, v, blocks, scale)
-        return (out, *segments_backward(dout, q, k, v, out, lse, blocks, scale)), len(blocks)
+        diagonal, rest = Diagonal.split(segments, blocks, q.shape, "whole", q.device)
+        assert rest == []  # every block of the whole sequence is a causal square: one call
+        acc = MergedAttention(q, v.shape[-1])
+        diagonal_forward(acc, q, k, v, diagonal, scale)
+        out = acc.out.to(q.dtype)
+        grads = diagonal_backward(dout, q, k, v, out, acc.lse, diagonal, scale)
+        return (out, *(g.to(q.dtype) for g in grads)), len(blocks)
     outs, dqs = [], []
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     calls = 0

@@ -10,7 +10,7 @@ accumulate dK/dV for the whole sequence in fp32, reduce-scatter them back to the
 import torch
 import torch.distributed as dist
 
-from .blockwise import blocks_backward, blocks_forward, plan
+from .blockwise import Diagonal, blocks_backward, blocks_forward, diagonal_backward, diagonal_forward, plan
 from .comm import all_gather, pack, reduce_scatter, unpack
 from .kernels import MergedAttention, accum_dtype, last_dim_contiguous
 from .layout import SequenceLayout
@@ -58,10 +58,17 @@ class AllGatherAttention(torch.autograd.Function):
         # segments (documents.DocumentSegments) or None (causal): the blocks and their unit in tokens.
         blocks, unit = plan(layout.chunks(rank), range(layout.n_chunks), chunk, segments)
         acc = MergedAttention(q, v.shape[-1])
+        diagonal = None
+        if segments is not None:  # the documents' causal squares: one call on the rank's own K/V
+            key = (tuple(layout.chunks(rank)), "all", chunk)
+            diagonal, blocks = Diagonal.split(segments, blocks, q.shape, key, q.device)
+            if diagonal is not None:
+                diagonal_forward(acc, q, k, v, diagonal, scale)
         blocks_forward(acc, q, k_full, v_full, blocks, unit, scale)
         out = acc.out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, acc.lse)
         ctx.group, ctx.layout, ctx.scale, ctx.blocks, ctx.unit = group, layout, scale, blocks, unit
+        ctx.diagonal = diagonal
         return out
 
     @staticmethod
@@ -78,4 +85,9 @@ class AllGatherAttention(torch.autograd.Function):
             ctx.blocks, ctx.unit, ctx.scale,
         )
         dkv_local = _scatter_grad(dkv, ctx.group, ctx.layout)
+        if ctx.diagonal is not None:  # the rank's own tokens: added after they came home
+            dq_d, dk_d, dv_d = diagonal_backward(dout, q, k, v, out, lse, ctx.diagonal, ctx.scale)
+            dq += dq_d
+            dkv_local[..., :d] += dk_d
+            dkv_local[..., d:] += dv_d
         return dq.to(q.dtype), dkv_local[..., :d].to(k.dtype), dkv_local[..., d:].to(v.dtype), None, None, None, None

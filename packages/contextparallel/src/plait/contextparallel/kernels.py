@@ -122,6 +122,75 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     return dq, dk, dv[..., :dv_dim]
 
 
+# ---- document calls: every causal square of a plan in one call ------------------------------
+
+
+def _varlen(q: torch.Tensor) -> bool:
+    return _kernel(q) == "cuda_flash"
+
+
+def _flash_window(op) -> dict:
+    """Causal as this torch's schema states it: window (-1, 0) where `_flash_attention_forward`
+    takes window sizes (torch 2.13), `is_causal` alone where it does not (decided by the schema's
+    argument names, not the version)."""
+    names = {a.name for a in op.default._schema.arguments}
+    return {"window_size_left": -1, "window_size_right": 0} if "window_size_left" in names else {}
+
+
+def documents_forward(q_THA, k_TGA, v_TGA, bounds, cu_seqlens, max_len: int, scale: float):
+    """Causal attention within each document of the folded tokens: q [T, H, A], k [T, G, A],
+    v [T, G, Av]; `bounds` the documents' offsets on the host (0, ..., T), `cu_seqlens` the same
+    on q's device (int32). -> out [T, H, Av], lse [H, T] (fp32).
+
+    CUDA fp16 / bf16 (FlashAttention-2's head dims): one varlen call for every document, square by
+    construction (queries and keys share the offsets, so FA2's bottom-right causal mask is the
+    top-left one); elsewhere one flash call per document."""
+    dv = v_TGA.shape[-1]
+    if _varlen(q_THA):
+        op = torch.ops.aten._flash_attention_forward
+        out, lse, *_ = op(
+            q_THA, k_TGA, _pad_last(v_TGA, q_THA.shape[-1]), cu_seqlens, cu_seqlens, max_len, max_len, 0.0, True,
+            False, scale=scale, **_flash_window(op),
+        )  # fmt: skip
+        return out[..., :dv], lse
+    outs, lses = [], []
+    for s, e in zip(bounds, bounds[1:]):
+        q, k, v = _one_document(q_THA, s, e), _one_document(k_TGA, s, e, dense=True), _one_document(v_TGA, s, e, dense=True)
+        out, lse = attention_forward(q, k, v, True, scale)
+        outs.append(out[0].transpose(0, 1))
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, 1)
+
+
+def documents_backward(dout_THA, q_THA, k_TGA, v_TGA, out_THA, lse_HT, bounds, cu_seqlens, max_len: int, scale: float):
+    """The backward of `documents_forward` given the MERGED output and lse (of every block the
+    queries attended, not only these documents): each document's exact share of dq, dk, dv."""
+    if _varlen(q_THA):
+        d, dv = q_THA.shape[-1], v_TGA.shape[-1]
+        op = torch.ops.aten._flash_attention_backward
+        unused = torch.empty(0, dtype=torch.int64, device=q_THA.device)  # no dropout: never read
+        dq, dk, dv_ = op(
+            _pad_last(dout_THA, d).contiguous(), q_THA, k_TGA, _pad_last(v_TGA, d), _pad_last(out_THA, d).contiguous(),
+            lse_HT.contiguous(), cu_seqlens, cu_seqlens, max_len, max_len, 0.0, True, unused, unused,
+            scale=scale, **_flash_window(op),
+        )  # fmt: skip
+        return dq, dk, dv_[..., :dv]
+    grads = ([], [], [])
+    for s, e in zip(bounds, bounds[1:]):
+        pieces = (_one_document(t, s, e, dense=t is k_TGA or t is v_TGA) for t in (dout_THA, q_THA, k_TGA, v_TGA, out_THA))
+        lse = lse_HT[:, s:e].unsqueeze(0).contiguous()
+        for acc, g in zip(grads, attention_backward(*pieces, lse, True, scale)):
+            acc.append(g[0].transpose(0, 1))
+    return tuple(torch.cat(g) for g in grads)
+
+
+def _one_document(x_THA: torch.Tensor, start: int, end: int, dense: bool = False) -> torch.Tensor:
+    """One document as [1, H, L, A]: a view for q, out, dout (stride(-1) == 1 is all the kernels need
+    of them), a dense copy for k and v (rows of one head adjacent, as the flash kernels read them)."""
+    x = x_THA[start:end].transpose(0, 1).unsqueeze(0)
+    return x.contiguous() if dense else aligned(x)
+
+
 def accum_dtype(dtype: torch.dtype) -> torch.dtype:
     """Outputs, log-sum-exps and gradients accumulate in fp32 (fp64 inputs stay fp64)."""
     return torch.float64 if dtype == torch.float64 else torch.float32

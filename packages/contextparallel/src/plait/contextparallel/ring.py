@@ -12,7 +12,7 @@ never computed); without it rank r computes only the steps that bring earlier ch
 import torch
 import torch.distributed as dist
 
-from .blockwise import blocks_backward, blocks_forward, plan
+from .blockwise import Diagonal, blocks_backward, blocks_forward, diagonal_backward, diagonal_forward, plan
 from .comm import GRAD_TAG, KV_TAG, RingShift, pack, unpack
 from .kernels import MergedAttention, accum_dtype, last_dim_contiguous
 from .layout import SequenceLayout
@@ -35,6 +35,12 @@ class RingAttention(torch.autograd.Function):
         plans = _plans(layout, rank, chunk, segments)
         unit = chunk if segments is None else 1
         acc = MergedAttention(q, v.shape[-1])
+        diagonal = None
+        if segments is not None:  # step 0 holds the rank's own K/V: its causal squares in one call
+            key = (tuple(layout.chunks(rank)), "own", chunk)
+            diagonal, plans[0] = Diagonal.split(segments, plans[0], q.shape, key, q.device)
+            if diagonal is not None:
+                diagonal_forward(acc, q, k, v, diagonal, scale)
         kv = pack(k, v)  # flat [K | V]: one message per hop, K and V contiguous views of it
         for step, blocks in enumerate(plans):
             pending = shift.start(kv) if step + 1 < layout.cp else None
@@ -44,6 +50,7 @@ class RingAttention(torch.autograd.Function):
         out = acc.out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, acc.lse)
         ctx.group, ctx.layout, ctx.scale, ctx.plans, ctx.unit = group, layout, scale, plans, unit
+        ctx.diagonal = diagonal
         return out
 
     @staticmethod
@@ -63,6 +70,11 @@ class RingAttention(torch.autograd.Function):
                 dq, dkv[..., :d], dkv[..., d:], dout, q, *unpack(kv, (k.shape, v.shape)), out, lse, blocks, ctx.unit,
                 ctx.scale,
             )
+            if step == 0 and ctx.diagonal is not None:  # the own block's accumulator, before it leaves
+                dq_d, dk_d, dv_d = diagonal_backward(dout, q, k, v, out, lse, ctx.diagonal, ctx.scale)
+                dq += dq_d
+                dkv[..., :d] += dk_d
+                dkv[..., d:] += dv_d
             if grad_pending is not None:
                 dkv += grad_pending.wait()  # what the ranks before this one added to this block
             if ctx.layout.cp > 1:  # on to the next holder; after the last step, home (cp 1: home already)

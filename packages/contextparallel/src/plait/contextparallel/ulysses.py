@@ -2,7 +2,8 @@
 
 Forward: all-to-all q, k, v from [B, heads, S/cp, D] to [B, heads/cp, S, D] (chunks put back in
 sequence order), one causal attention over the whole sequence on heads/cp heads (with documents:
-one causal call per document segment, rows with the same segments sharing it), all-to-all the
+one call for every document of every row, blockwise.Diagonal: one FlashAttention-2 varlen call on
+CUDA, one flash call per document on the CPU), all-to-all the
 output back. Backward mirrors it. Needs the (tensor-parallel local) query heads divisible by cp;
 kv heads that are not are repeated to lcm(kv heads, cp) first (a copy of the local K/V only).
 """
@@ -11,9 +12,9 @@ import math
 
 import torch
 
-from .blockwise import segments_backward, segments_forward
+from .blockwise import Diagonal, diagonal_backward, diagonal_forward
 from .comm import all_to_all
-from .kernels import attention_backward, attention_forward
+from .kernels import MergedAttention, attention_backward, attention_forward
 from .layout import SequenceLayout
 
 
@@ -69,23 +70,30 @@ class UlyssesAttention(torch.autograd.Function):
         q_h, k_h, v_h = (seq_to_heads(t, group, layout) for t in (q, k, v))
         # The whole sequence is here: with documents, the one causal square refined per segment.
         chunk = q.shape[2] // layout.chunks_per_rank
-        blocks = None if segments is None else segments.plan(range(layout.n_chunks), range(layout.n_chunks), chunk)
-        if blocks is None:
+        diagonal = None
+        if segments is not None:  # every block of the whole-sequence plan is a causal square
+            every = range(layout.n_chunks)
+            blocks = segments.plan(every, every, chunk)
+            diagonal, _ = Diagonal.split(segments, blocks, q_h.shape, (tuple(every), "ulysses", chunk), q_h.device)
+        if diagonal is None:
             out_h, lse_h = attention_forward(q_h, k_h, v_h, True, scale)
         else:
-            out_h, lse_h = segments_forward(q_h, k_h, v_h, blocks, scale)
+            acc = MergedAttention(q_h, v_h.shape[-1])
+            diagonal_forward(acc, q_h, k_h, v_h, diagonal, scale)
+            out_h, lse_h = acc.out.to(q_h.dtype), acc.lse
         ctx.save_for_backward(q_h, k_h, v_h, out_h, lse_h)
-        ctx.group, ctx.layout, ctx.scale, ctx.repeats, ctx.blocks = group, layout, scale, repeats, blocks
+        ctx.group, ctx.layout, ctx.scale, ctx.repeats, ctx.diagonal = group, layout, scale, repeats, diagonal
         return heads_to_seq(out_h, group, layout)
 
     @staticmethod
     def backward(ctx, dout):
         q_h, k_h, v_h, out_h, lse_h = ctx.saved_tensors
         dout_h = seq_to_heads(dout.contiguous(), ctx.group, ctx.layout)
-        if ctx.blocks is None:
+        if ctx.diagonal is None:
             dq_h, dk_h, dv_h = attention_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, True, ctx.scale)
         else:
-            dq_h, dk_h, dv_h = segments_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, ctx.blocks, ctx.scale)
+            dq_h, dk_h, dv_h = diagonal_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, ctx.diagonal, ctx.scale)
+            dq_h, dk_h, dv_h = (g.contiguous() for g in (dq_h, dk_h, dv_h))
         dq, dk, dv = (heads_to_seq(t, ctx.group, ctx.layout) for t in (dq_h, dk_h, dv_h))
         if ctx.repeats > 1:
             B, G, L, _ = dk.shape
