@@ -96,7 +96,7 @@ def test_export_refuses_the_run_the_checkpoint_and_foreign_folders_and_changes_n
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
 
 
-def test_export_writes_new_folders_and_replaces_only_its_own(trained, tmp_path):
+def test_export_writes_new_folders_and_replaces_only_its_own(trained, tmp_path, capsys):
     checkpoint = trained / "checkpoints" / "step-000002"
     out = tmp_path / "hf"
     # A 2-layer checkpoint exports with its recorded model arguments (defect 7).
@@ -104,10 +104,20 @@ def test_export_writes_new_folders_and_replaces_only_its_own(trained, tmp_path):
     marker = json.loads((out / hf_output.EXPORT_MARKER).read_text())
     assert marker["step"] == 2 and json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
     assert json.loads((out / "config.json").read_text())["rope_theta"] == 12345
+    assert "config.json" in marker["files"]  # the marker lists what the export wrote
+    # A shard the earlier export wrote (listed in its marker) and files a user added since.
     (out / "stale-shard.safetensors").write_text("from the earlier export")
+    marker["files"].append("stale-shard.safetensors")
+    (out / hf_output.EXPORT_MARKER).write_text(json.dumps(marker))
+    (out / "README.md").write_text("model card")
+    (out / "eval").mkdir()
+    (out / "eval" / "results.json").write_text("{}")
     assert hf_export.main(["--checkpoint", str(trained / "checkpoints" / "step-000001"), "--output", str(out)]) == 0
     assert json.loads((out / hf_output.EXPORT_MARKER).read_text())["step"] == 1
-    assert not (out / "stale-shard.safetensors").exists()  # the whole earlier export was replaced
+    assert not (out / "stale-shard.safetensors").exists()  # what the earlier export wrote was replaced
+    assert (out / "README.md").read_text() == "model card"  # what the user added was kept (defect 1)
+    assert (out / "eval" / "results.json").read_text() == "{}"
+    assert "kept 2 file(s)" in capsys.readouterr().out
     empty = tmp_path / "empty"
     empty.mkdir()
     assert hf_export.main(["--checkpoint", str(checkpoint), "--output", str(empty)]) == 0
