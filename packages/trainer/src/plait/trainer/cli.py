@@ -5,10 +5,13 @@
     plait-train --nproc-per-node 2 --training.local_batch_size 4
     torchrun --nproc-per-node 8 -m plait.trainer --config llama3_8B.toml
 
-Exit codes (exit_codes.py; schedulers requeue on 74 and 75): 0 finished, 1 unexpected error (a
-bug, with its traceback), 2 configuration or checkpoint error, 3 diverged, 74 infrastructure fault
-(I/O, out of memory, a rank died), 75 stopped before its last step (SIGTERM), 130 interrupted. The
-code is also written to <job.dump_folder>/exit_status, since torchrun turns a rank's code into 1.
+Exit codes (exit_codes.py; schedulers requeue on 74 and 75 only): 0 finished, 1 unexpected error (a
+bug, with its traceback; a collective mismatch between ranks), 2 configuration or checkpoint error,
+3 diverged, 4 out of memory (the same config runs out again), 5 a requeue-able failure at the same
+step as the previous run's (the cause is the run's: not requeued again), 74 infrastructure fault
+(I/O, a rank died or was killed, a lost peer, a collective timeout), 75 stopped before its last step
+(SIGTERM), 130 interrupted (Ctrl-C). The code is also written to <job.dump_folder>/exit_status,
+since torchrun turns a rank's code into 1.
 """
 
 import difflib
@@ -39,6 +42,7 @@ Settings (--section.key VALUE or --section.key=VALUE; booleans alone mean true):
 EXIT_FINISHED, EXIT_DIVERGED, EXIT_CONFIG = exit_codes.FINISHED, exit_codes.DIVERGED, exit_codes.CONFIG
 EXIT_STOPPED, EXIT_INTERRUPTED = exit_codes.STOPPED, exit_codes.INTERRUPTED
 EXIT_INFRA, EXIT_ERROR = exit_codes.INFRA, exit_codes.ERROR
+EXIT_OOM, EXIT_REPEATED = exit_codes.OUT_OF_MEMORY, exit_codes.REPEATED
 
 # What `plait-train` with no --config runs: the Llama 3 debug model on the shipped corpus.
 DEFAULT_CONFIG = "llama3_debugmodel.toml"
@@ -161,6 +165,9 @@ def launch(nproc: int, forward: list[str], stop_grace_s: int, config=None) -> in
         print(f"plait-train: {summary}", file=sys.stderr)
         return code
     except SignalException as e:
+        if e.sigval == signal.SIGINT:  # Ctrl-C: the user stopped it, not a preemption to requeue
+            print("plait-train: interrupted.", file=sys.stderr)
+            return EXIT_INTERRUPTED
         # The ranks got the signal too and stopped after their step (and its checkpoint); the run
         # did not finish its steps, so a scheduler must see a failure and requeue it.
         print(f"plait-train: stopped by signal {e.sigval}; {_stopped_message(config)}", file=sys.stderr)
@@ -178,7 +185,9 @@ def _how(code: int) -> str:
                "SIGBUS": ": a memory / filesystem fault"}.get(name, "")
         return f"was killed by {name}{why}"
     meaning = {EXIT_ERROR: "an unexpected error (traceback above)", EXIT_CONFIG: "a configuration or checkpoint error",
-               EXIT_DIVERGED: "diverged", EXIT_INFRA: "an infrastructure fault", EXIT_STOPPED: "stopped (SIGTERM)"}
+               EXIT_DIVERGED: "diverged", EXIT_INFRA: "an infrastructure fault", EXIT_STOPPED: "stopped (SIGTERM)",
+               EXIT_OOM: "out of memory", EXIT_REPEATED: "the previous run's failure again",
+               EXIT_INTERRUPTED: "interrupted"}
     return f"exited {code} ({meaning.get(code, 'see its output above')})"
 
 
@@ -238,9 +247,11 @@ def _launch_holding_the_lock(config, nproc: int, forward: list[str]) -> int:
     code = EXIT_ERROR  # if launch itself raises
     try:
         code = launch(nproc, forward, config.job.stop_grace_s, config)
-        return code
     finally:
-        lock.release(code)
+        code = lock.release(code)
+    if lock.why:
+        print(f"plait-train: {lock.why}", file=sys.stderr)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -255,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         die_with_launcher()
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from .train import TrainingDiverged, infrastructure_fault
+    from .train import TrainingDiverged, infrastructure_fault, out_of_memory
 
     try:
         args = parse_args(argv)
@@ -283,30 +294,60 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FINISHED if finished else EXIT_STOPPED
     except ConfigError as e:
         print(f"plait-train: error: {e}", file=sys.stderr)
+        _status_before_the_lock(locals().get("config"), EXIT_CONFIG)
         return EXIT_CONFIG
     except CheckpointException as e:
         # DCP's failure type derives from BaseException (it would escape `except Exception`).
         print(f"plait-train: error: checkpoint: {str(e).strip().splitlines()[0] if str(e).strip() else e!r}",
               file=sys.stderr)  # fmt: skip
-        return EXIT_CONFIG
+        return _code(e, EXIT_CONFIG)
     except TrainingDiverged as e:
         if os.environ.get("RANK", "0") == "0":  # the same on every rank (losses are all-reduced)
             print(f"plait-train: error: {e}", file=sys.stderr)
-        return EXIT_DIVERGED
+        return _code(e, EXIT_DIVERGED)
     except KeyboardInterrupt:
         print("plait-train: interrupted.", file=sys.stderr)
         return EXIT_INTERRUPTED
     except exit_codes.InfrastructureFault as e:  # the same on every rank (a save fails on all)
+        code = _code(e, EXIT_INFRA)
         if os.environ.get("RANK", "0") == "0":
-            print(f"plait-train: error: {e} (exit {EXIT_INFRA}: requeue)", file=sys.stderr)
-        return EXIT_INFRA
+            print(f"plait-train: error: {e} ({_requeue(e, code)})", file=sys.stderr)
+        return code
     except (OSError, MemoryError, RuntimeError) as e:
+        text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        rank = os.environ.get("RANK", "0")
+        if out_of_memory(e):
+            print(f"plait-train: error: rank {rank}: out of memory: {type(e).__name__}: {text[:200]}; the same "
+                  "config runs out again: lower training.local_batch_size or seq_len, set "
+                  "training.activation_checkpoint = full, or shard more (plait-plan shows the peak) "
+                  f"(exit {EXIT_OOM}: not requeued)", file=sys.stderr)  # fmt: skip
+            return _code(e, EXIT_OOM)
         if not infrastructure_fault(e):
             raise  # a bug: its traceback, exit 1
-        text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        print(f"plait-train: error: rank {os.environ.get('RANK', '0')}: infrastructure fault: {type(e).__name__}: "
-              f"{text[:300]} (exit {EXIT_INFRA}: requeue)", file=sys.stderr)
-        return EXIT_INFRA
+        code = _code(e, EXIT_INFRA)
+        print(f"plait-train: error: rank {rank}: infrastructure fault: {type(e).__name__}: "
+              f"{text[:300]} ({_requeue(e, code)})", file=sys.stderr)
+        return code
+
+
+def _code(error: BaseException, default: int) -> int:
+    """The code the run settled on (train.run: a repeat of the previous run's failure is 5)."""
+    return getattr(error, "plait_exit_code", default)
+
+
+def _requeue(error: BaseException, code: int) -> str:
+    return getattr(error, "plait_exit_why", "") or f"exit {code}: requeue"
+
+
+def _status_before_the_lock(config, code: int) -> None:
+    """A configuration error can come before any lock was taken: write exit_status anyway (rank 0,
+    not under the plait launcher, whose own line covers it), unless another live run holds the folder."""
+    from .run_lock import HELD_BY_LAUNCHER, RunLock
+
+    if config is None or os.environ.get("RANK", "0") != "0" or os.environ.get(HELD_BY_LAUNCHER):
+        return
+
+    RunLock(config.job.dump_folder).write_status_if_free(code)
 
 
 __all__ = ["main", "parse_args", "help_text"]

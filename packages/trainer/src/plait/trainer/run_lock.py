@@ -112,6 +112,7 @@ class RunLock:
             with os.fdopen(fd, "w") as f:
                 json.dump(dict(self.owner, since=time.strftime("%Y-%m-%dT%H:%M:%S")), f)
             self.held = True
+            self.acquired_at = time.time()
             if self.status:
                 self._write_status(exit_codes.RUNNING)  # stays if this run is SIGKILLed
             return warning
@@ -141,14 +142,34 @@ class RunLock:
         tmp.write_text(f"{status}\n")
         os.replace(tmp, self.path.parent / exit_codes.STATUS_FILE)
 
-    def release(self, exit_code: int) -> None:
-        """Record the run's exit code in <dump_folder>/exit_status, then remove the lock if this
-        process still owns it."""
+    def free(self) -> bool:
+        """No live run holds this lock (none, or a stale one)."""
+        if not self.path.exists():
+            return True
+        holder = self._read()
+        return holder is not None and self._stale(holder)
+
+    def write_status_if_free(self, exit_code: int) -> None:
+        """A run that failed before taking the lock (its configuration): record its code in
+        exit_status too, so a requeued job does not read the previous run's (a stale 75 would be
+        requeued forever), unless another live run holds the folder (then the file is its)."""
+        try:
+            if self.status and self.path.parent.is_dir() and self.free():
+                self._write_status(str(exit_code))
+        except OSError:
+            pass
+
+    def release(self, exit_code: int) -> int:
+        """Settle the run's exit code (exit_codes.settle: a requeue-able failure at the same step as
+        the previous run's is not requeued again), record it in <dump_folder>/exit_status, remove
+        the lock if this process still owns it; return the settled code (`self.why`: what changed it)."""
+        self.why = ""
         if not self.held:
-            return
+            return exit_code
         self.held = False
         try:
             if self.status:
+                exit_code, self.why = exit_codes.settle(exit_code, self.path.parent, self.acquired_at)
                 self._write_status(str(exit_code))
         except OSError:
             pass
@@ -157,6 +178,7 @@ class RunLock:
                 self.path.unlink()
         except (OSError, ValueError):
             pass
+        return exit_code
 
 
 class RunLocks:
@@ -172,6 +194,11 @@ class RunLocks:
         if warning:
             self.warnings.append(warning)
 
-    def release(self, exit_code: int) -> None:
+    def release(self, exit_code: int) -> tuple[int, str]:
+        """Release every lock; (the settled exit code, why it changed) from the dump folder's."""
+        settled, why = exit_code, ""
         for lock in reversed(self.locks):
-            lock.release(exit_code)
+            code = lock.release(exit_code)
+            if lock.status:
+                settled, why = code, lock.why
+        return settled, why

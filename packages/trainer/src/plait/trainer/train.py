@@ -187,10 +187,12 @@ class Trainer:
             self.release(exit_code_of(e))
             raise
 
-    def release(self, exit_code: int) -> None:
-        """Record the exit code and give the dump folder's lock back (rank 0, when it took it)."""
+    def release(self, exit_code: int) -> tuple[int, str]:
+        """Record the exit code and give the dump folder's lock back (rank 0, when it took it); the
+        settled code and why it changed (exit_codes.settle)."""
         if self.lock is not None:
-            self.lock.release(exit_code)
+            return self.lock.release(exit_code)
+        return exit_code, ""
 
     def _build(self, config: Config) -> None:
         self.meshes = build_meshes(self.plan.dims, self.device.type)
@@ -517,6 +519,7 @@ class Trainer:
                         break
                     if self.pipeline is not None:
                         micro_batches = merge_micro_batches(micro_batches)
+                    _test_fault(self.step)
                     self._read_documents(micro_batches)
                     data_s = time.perf_counter() - t0
                     lr = self.scheduler.get_last_lr()[0]
@@ -588,6 +591,8 @@ def exit_code_of(error: BaseException) -> int:
         return exit_codes.DIVERGED
     if isinstance(error, KeyboardInterrupt):
         return exit_codes.INTERRUPTED
+    if out_of_memory(error):
+        return exit_codes.OUT_OF_MEMORY
     if infrastructure_fault(error):
         return exit_codes.INFRA
     if isinstance(error, ConfigError) or type(error).__name__ == "CheckpointException":
@@ -600,21 +605,40 @@ _LOST_PEER = ("connection closed by peer", "connection reset by peer", "broken p
               "nccl error", "ncclremoteerror", "timed out", "process group has been destroyed")
 
 
+# What torch raises when memory runs out where it is not an OutOfMemoryError (the CPU allocator).
+_OUT_OF_MEMORY = ("defaultcpuallocator: can't allocate memory", "out of memory", "cannot allocate memory")
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Device or host memory ran out: the same config runs out again (not requeued)."""
+    if isinstance(error, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    return isinstance(error, RuntimeError) and any(m in str(error).lower() for m in _OUT_OF_MEMORY)
+
+
 def infrastructure_fault(error: BaseException) -> bool:
-    """A fault of the machine rather than of the run: I/O, memory, a lost rank (requeue-able)."""
-    if isinstance(error, (exit_codes.InfrastructureFault, MemoryError, torch.OutOfMemoryError)):
+    """A fault of the machine rather than of the run: I/O, a lost rank, a collective timeout
+    (requeue-able). Not out of memory (out_of_memory), not a collective mismatch (a bug)."""
+    if out_of_memory(error):
+        return False
+    if isinstance(error, exit_codes.InfrastructureFault):
         return True
     if isinstance(error, OSError) and not isinstance(error, (FileNotFoundError, NotADirectoryError,
                                                              IsADirectoryError, PermissionError)):
         return True  # ENOSPC, EIO, EROFS, ...; a missing or forbidden path is a configuration error
     if isinstance(error, (dist.DistError, RuntimeError)):
         text = str(error).lower()
+        if "mismatch" in text:  # ranks disagree on a collective: a bug or a config, not the machine
+            return False
         return isinstance(error, dist.DistError) or any(m in text for m in _LOST_PEER)
     return False
 
 
 def run(config: Config) -> bool:
-    """One run; whether it finished its training.steps (False: stopped early by SIGTERM)."""
+    """One run; whether it finished its training.steps (False: stopped early by SIGTERM).
+
+    An exception that ends the run leaves with `plait_exit_code` (the code, settled against the
+    previous run's failure: exit_codes.settle) and `plait_exit_why`."""
     trainer = None
     code = exit_codes.ERROR
     try:
@@ -624,8 +648,32 @@ def run(config: Config) -> bool:
         return finished
     except BaseException as e:
         code = exit_code_of(e)
+        if trainer is not None and trainer.rank == 0:
+            exit_codes.record_failure(config.job.dump_folder, trainer.step, code)
+        if trainer is not None:
+            settled, why = trainer.release(code)
+            trainer = None
+            e.plait_exit_code, e.plait_exit_why = settled, why
         raise
     finally:
         if trainer is not None:
             trainer.release(code)
         destroy_distributed()
+
+
+# PLAIT_TEST_FAULT="<step>:<kind>": raise at that step what the fault raises (tests of the exit
+# codes with real processes): oom (torch's CPU allocator), lost_peer (a collective after a peer died).
+TEST_FAULT = "PLAIT_TEST_FAULT"
+_TEST_FAULTS = {
+    "oom": lambda: RuntimeError("[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't allocate memory: "
+                                "you tried to allocate 393215999999 bytes."),
+    "lost_peer": lambda: RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer"),
+}
+
+
+def _test_fault(step: int) -> None:
+    spec = os.environ.get(TEST_FAULT)
+    if spec:
+        at, kind = spec.split(":")
+        if int(at) == step:
+            raise _TEST_FAULTS[kind]()

@@ -1,0 +1,91 @@
+"""Exit codes a scheduler can trust (issue 40): requeue (74, 75) only what a restart can cure.
+
+Real `plait-train` processes; faults injected at a step with PLAIT_TEST_FAULT (train.py), which
+raises there what the fault raises."""
+
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+from plait.trainer import exit_codes
+from plait.trainer.testing import cli_env, run_cli
+from plait.trainer.train import exit_code_of, infrastructure_fault
+
+# fmt: off
+TINY = [
+    "--model.n_layers", "1", "--training.seq_len", "64", "--training.local_batch_size", "2",
+    "--training.dtype", "float32", "--training.steps", "3", "--metrics.tensorboard", "false",
+    "--metrics.progress_bar", "false", "--metrics.log_freq", "1", "--checkpoint.enable", "false",
+    "--data.val_interval", "0",
+]
+# fmt: on
+
+
+def _status(dump) -> str:
+    return (dump / exit_codes.STATUS_FILE).read_text().strip()
+
+
+def test_classification():
+    assert exit_code_of(torch.OutOfMemoryError("CUDA out of memory")) == exit_codes.OUT_OF_MEMORY
+    assert exit_code_of(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried")) == exit_codes.OUT_OF_MEMORY
+    assert exit_code_of(RuntimeError("Connection closed by peer")) == exit_codes.INFRA
+    mismatch = RuntimeError("Detected mismatch between collectives on ranks. Rank 0 is running collective: ...")
+    assert not infrastructure_fault(mismatch) and exit_code_of(mismatch) == exit_codes.ERROR
+    assert set(exit_codes.REQUEUE).isdisjoint(exit_codes.NOT_REQUEUED)
+
+
+def test_out_of_memory_is_not_requeued(tmp_path):
+    dump = tmp_path / "oom"
+    result = run_cli(dump, *TINY, env={"PLAIT_TEST_FAULT": "2:oom"}, expect=exit_codes.OUT_OF_MEMORY)
+    last = result.stderr.strip().splitlines()[-1]
+    assert "out of memory" in last and "not requeued" in last and "Traceback" not in result.stderr, result.stderr
+    assert _status(dump) == str(exit_codes.OUT_OF_MEMORY)
+
+
+def test_a_fault_that_repeats_at_the_same_step_stops_asking_for_a_requeue(tmp_path):
+    dump = tmp_path / "repeat"
+    fault = {"PLAIT_TEST_FAULT": "2:lost_peer"}
+    first = run_cli(dump, *TINY, env=fault, expect=exit_codes.INFRA)
+    assert "requeue" in first.stderr.strip().splitlines()[-1] and _status(dump) == str(exit_codes.INFRA)
+    second = run_cli(dump, *TINY, env=fault, expect=exit_codes.REPEATED)
+    last = second.stderr.strip().splitlines()[-1]
+    assert "failed at step 2 as well" in last and "not requeued" in last, last
+    assert _status(dump) == str(exit_codes.REPEATED)
+    # A transient fault at another step is requeued again; a finished run clears the history.
+    run_cli(dump, *TINY, env={"PLAIT_TEST_FAULT": "3:lost_peer"}, expect=exit_codes.INFRA)
+    run_cli(dump, *TINY)
+    assert _status(dump) == "0" and not (dump / exit_codes.HISTORY_FILE).exists()
+
+
+def test_a_configuration_error_replaces_a_stale_status(tmp_path):
+    """A requeued job (status 75 from its preemption) that fails its configuration on the new node
+    must not leave 75 behind: the SLURM recipe would requeue it forever."""
+    dump = tmp_path / "stale"
+    dump.mkdir()
+    (dump / exit_codes.STATUS_FILE).write_text("75\n")
+    run_cli(dump, *TINY, "--model.tokenizer_path", str(tmp_path / "missing.model"), expect=exit_codes.CONFIG)
+    assert _status(dump) == str(exit_codes.CONFIG)
+
+
+def test_ctrl_c_under_the_launcher_exits_130(tmp_path):
+    dump = tmp_path / "ctrl-c"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "plait.trainer", *TINY, "--nproc-per-node", "2", "--training.local_batch_size", "1",
+         "--training.steps", "100000", "--job.dump_folder", str(dump)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(),
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not (dump / "metrics.jsonl").is_file():
+            assert proc.poll() is None, proc.communicate()[1][-2000:]
+            time.sleep(0.5)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    assert proc.returncode == exit_codes.INTERRUPTED, err[-3000:]
+    assert _status(dump) == str(exit_codes.INTERRUPTED)
