@@ -7,8 +7,9 @@
 Each config runs at the world size it is written for (the same counts as the memory-estimate
 test, packages/trainer/tests/test_trainer_memory_estimate.py), with its own degrees, micro-batch
 and AC mode; the tokenizer is the shipped one (the configs name files a clone does not have; only
-the vocabulary size matters to a plan). A config the planner cannot trace yet (pipeline parallel)
-gets a row saying so instead of failing the table. Nobody types these numbers.
+the vocabulary size matters to a plan). Pipeline-parallel configs are traced stage by stage (rank
+0's stages); a config the planner cannot trace gets a row saying so instead of failing the table.
+Nobody types these numbers.
 """
 
 import argparse

@@ -27,7 +27,7 @@ def meta_model(name="debugmodel"):
 def test_is_plain_data():
     info = meta_model().parallel_info()
     assert json.loads(json.dumps(info)) == info
-    assert set(info) == {"blocks", "tp_plan", "seq_dim_buffers", "seq_dim_inputs", "experts", "attention_modules", "attention_heads", "edge_units", "tp_divisible", "document_input"}
+    assert set(info) == {"blocks", "tp_plan", "experts", "attention_modules", "attention_heads", "edge_units", "tp_divisible"}
     assert info["tp_divisible"] == {"n_heads": 16, "n_kv_heads": 16, "ffn_hidden": 768, "vocab_size": 2048}
 
 
@@ -61,5 +61,6 @@ def test_attention_modules_and_inputs():
     modules = dict(model.named_modules())
     assert len(info["attention_modules"]) == 6
     assert all(isinstance(modules[m], ScaledDotProductAttention) for m in info["attention_modules"])
-    assert set(info["seq_dim_inputs"]) <= set(inspect.signature(model.forward).parameters)
-    assert info["experts"] == [] and info["seq_dim_buffers"] == {}
+    # The inputs context parallel shards and the trainer passes by name (docs/contracts.md).
+    assert ["tokens", "positions", "document_positions"] == list(inspect.signature(model.forward).parameters)
+    assert info["experts"] == []

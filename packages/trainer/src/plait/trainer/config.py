@@ -25,7 +25,7 @@ except ImportError:  # Python 3.10
 
 
 class ConfigError(ValueError):
-    """A configuration that cannot run; `plait-train` prints the message (one line) and exits 1."""
+    """A configuration that cannot run; `plait-train` prints the message (one line) and exits 2."""
 
 
 @dataclass
@@ -99,8 +99,9 @@ class TrainingConfig:
     seq_len: int = 256
     """Tokens per sequence; at most the model's max_seq_len."""
     gradient_accumulation_steps: int = 1
-    """Micro-batches per optimizer step; each micro-batch loss is scaled by 1/this, so the step's
-    gradient is the mean over the global batch."""
+    """Micro-batches per optimizer step; each micro-batch's summed token loss is scaled by the
+    data-parallel ranks over the global batch's count of valid tokens, so the step's gradient is the
+    mean over every valid token of the global batch however it is split."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype. bfloat16: FSDP/TP runs cast parameters by the sharding policy (fp32 master
     weights, fp32 gradient reduction); a single process uses autocast."""

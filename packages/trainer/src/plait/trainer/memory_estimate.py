@@ -1,6 +1,7 @@
 """A per-rank peak-memory estimate made before step 1, so a run that cannot fit stops with one line.
 
-Analytic and approximate (no planner exists yet): it reads the meta model's parameter shapes and
+Analytic and approximate (plait-plan traces the real step; this is the start-up check, in
+milliseconds and without a trace): it reads the meta model's parameter shapes and
 `parallel_info()`, never a flavor table. Per rank it counts
 
 - model state: fp32 master weights + fp32 gradients + AdamW's two fp32 moments = 16 bytes per

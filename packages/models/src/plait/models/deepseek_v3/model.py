@@ -172,7 +172,7 @@ class Transformer(nn.Module):
 
     def forward(
         self,
-        tokens_BS: torch.Tensor,
+        tokens: torch.Tensor,
         positions: torch.Tensor | None = None,
         document_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -180,9 +180,9 @@ class Transformer(nn.Module):
         full rows (plait.models.documents; needed by attention_mask / rope_positions = "document")
         -> logits [B, S, V]. positions default: arange(S), or the document positions."""
         # A pipeline stage without the embedding receives hidden states [B, S, D] instead of tokens.
-        h_BSD = self.tok_embeddings(tokens_BS) if self.tok_embeddings is not None else tokens_BS
+        h_BSD = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         positions, mask_positions_BS = attention_inputs(
-            self.args.attention_mask, self.args.rope_positions, tokens_BS, positions, document_positions
+            self.args.attention_mask, self.args.rope_positions, tokens, positions, document_positions
         )
         # Built once for every layer, outside the compiled blocks (a host read in eager code, or
         # the offsets the trainer moved with the positions).
@@ -253,12 +253,6 @@ class Transformer(nn.Module):
                 # ep > 1 the expert-parallel package owns them and this entry is skipped.
                 "layers.*.moe.experts": "experts_tp",
             },
-            # RoPE is gathered by explicit positions, so no buffer needs sharding on sequence.
-            "seq_dim_buffers": {},
-            "seq_dim_inputs": {"tokens": 1, "positions": 1},
-            # The forward input with the full rows' document positions (attention_mask = "document"):
-            # split with the batch, never sharded on sequence (attention needs every boundary).
-            "document_input": "document_positions",
             "experts": [f"{b}.moe.experts" for b, layer in zip(blocks, self.layers.values()) if layer.is_moe],
             # The module each MoE runs after its experts and before it first uses their output: expert
             # parallel overlaps the combine all-to-all with it, forward and backward.

@@ -135,7 +135,8 @@ class Transformer(nn.Module):
         full rows (plait.models.documents; needed by attention_mask / rope_positions = "document")
         -> logits [B, S, V]. positions default: arange(S), or the document positions.
 
-        The argument names are part of the contract: parallel_info()["seq_dim_inputs"] names them.
+        The argument names are part of the contract (docs/contracts.md): the trainer passes
+        `document_positions` by name, and context parallel shards `tokens` and `positions`.
         """
         # A pipeline stage without the embedding receives hidden states [B, S, D] instead of tokens.
         h_BSD = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
@@ -198,12 +199,6 @@ class Transformer(nn.Module):
                 "layers.*.feed_forward.w2": "rowwise",
                 "layers.*.feed_forward.w3": "colwise",
             },
-            # RoPE is gathered by explicit positions, so no buffer needs sharding on sequence.
-            "seq_dim_buffers": {},
-            "seq_dim_inputs": {"tokens": 1, "positions": 1},
-            # The forward input with the full rows' document positions (attention_mask = "document"):
-            # split with the batch, never sharded on sequence (attention needs every boundary).
-            "document_input": "document_positions",
             "experts": [],
             "attention_modules": [f"{block}.attention.sdpa" for block in blocks],
             # FSDP units outside the blocks, in forward order: the embedding (resharded once used) and
