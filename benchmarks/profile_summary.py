@@ -22,6 +22,7 @@ the network was busy, so `exposed / total` says how much of it the step waited f
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -65,8 +66,10 @@ def _category(name: str, ancestors: list[str]) -> str:
 
 
 def _spans_and_steps(trace_path: Path) -> tuple[list[dict], list[dict]]:
-    """A Chrome trace's complete spans, and the ProfilerStep# ones among them."""
-    events = json.loads(Path(trace_path).read_text())["traceEvents"]
+    """A Chrome trace's complete spans, and the ProfilerStep# ones among them (a `.gz` trace, as
+    torchtitan writes them, is read through gzip)."""
+    with (gzip.open if Path(trace_path).suffix == ".gz" else open)(trace_path, "rt") as f:
+        events = json.load(f)["traceEvents"]
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
     return spans, [e for e in spans if e["name"].startswith("ProfilerStep#")]
 

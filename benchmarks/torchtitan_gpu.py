@@ -1,6 +1,7 @@
 """Run torchtitan 0.3.0's trainer on one GPU at a reduced depth, for benchmarks/gpu.py.
 
     python torchtitan_gpu.py --layers N --module M --config C <torchtitan args>
+    python torchtitan_gpu.py --check-args --layers N ...      parse only (gpu/lease.sh --dry-run)
 
 torchtitan builds a flavor's layer list in Python, so its command line cannot shorten a shipped
 model, and it ships no Llama 3 1B trainer config. This launcher adds both and touches nothing else:
@@ -13,6 +14,10 @@ model, and it ships no Llama 3 1B trainer config. This launcher adds both and to
 
 Everything else is torchtitan's own CLI (gpu.py passes the local text folder, the tokenizer, the
 sequence length, batch, steps, compile and, for DeepSeek-V3 on one GPU, expert parallel 1).
+It prints one line of what the parse configured (layers, seq, compile, torchtitan's whole-step
+CUDA graph on or off: its flavors' own default), which gpu.py reads. `--check-args` parses the
+rest with torchtitan's own parser (these additions included), prints that line and exits without
+training: the lease's dry run checks its command lines on a CPU.
 """
 
 from __future__ import annotations
@@ -52,12 +57,31 @@ def install(argv: list[str]) -> None:
             if not 0 < known.layers <= len(layers):
                 raise SystemExit(f"--layers {known.layers}: the flavor has {len(layers)} layers")
             config.model_spec.model.layers = layers[: known.layers]
+        t = config.training
+        print(f"torchtitan_gpu.py: {len(config.model_spec.model.layers)} layers, seq {t.seq_len}, batch "
+              f"{t.local_batch_size}, {t.steps} steps, compile {config.compile.enable}, CUDA graphs "
+              f"{not t.disable_cuda_graphs}, profiling {config.profiler.enable_profiling}", flush=True)
         return config
 
     ConfigManager.parse_args = parse_args
 
 
+def check(argv: list[str]) -> None:
+    """Parse `argv` as a run would, print what it configured (install's line), train nothing."""
+    import torch
+
+    if not torch.cuda.is_available():
+        import torchtitan_cpu  # noqa: F401  (its triton stub lets the MoE models import without triton)
+    install(argv)
+    from torchtitan.config import ConfigManager
+
+    ConfigManager().parse_args()
+
+
 if __name__ == "__main__":
+    if "--check-args" in sys.argv:
+        check([a for a in sys.argv[1:] if a != "--check-args"])
+        sys.exit(0)
     install(sys.argv[1:])
     from torchtitan.train import main
 

@@ -1,47 +1,170 @@
 #!/usr/bin/env bash
-# One short GPU lease, prepared: the GPU suite, then the bf16 benchmark (eager / compile / CUDA graphs),
-# with the GPU machine's own python (no package registry there, no nox).
+# One GPU lease that measures everything, prepared: in ONE device call of at most 9 minutes on a
+# bare H100 / H200 with the machine's own python (3.12, torch 2.11 CUDA, triton 3.6; no package
+# registry there, no nox), then one command here to put the table in benchmarks/RESULTS.md.
 #
-#   bash gpu/lease.sh [SUITE_S] [BENCH_S] [PYTEST_ARGS...]    each stage bounded by `timeout` (0 skips
-#                                                              it), logs under $OUT
+#   bash gpu/wheels.sh              here first (PyPI): what that python lacks, into .whl (git-ignored)
+#   bash gpu/lease.sh               there, as the device call's command: carry [".whl"], timeout_s 540
+#   python benchmarks/lease_table.py <the files that came back> --results benchmarks/RESULTS.md
+#   bash gpu/lease.sh --dry-run     on a CPU: every stage but the CUDA work (tests/test_combo_lease_dry_run.py)
 #
-# What that python lacks (`datasets` and the two packages it needs beyond the image) travels as
-# wheels in .whl (git-ignored): `bash gpu/wheels.sh` here first, then carry .whl. This checkout's
-# packages go on PYTHONPATH, as gpu/run.py does, so nothing is built there. The first lease
-# (2026-11-27, H100): the suite takes ~90 s, each benchmark run ~35 s, the machine's start ~30 s:
-# the defaults (150 s + 330 s) fit a device call with timeout_s 520, and leave room for one rerun.
+# Options: --total S (default 520: the whole command), --suite S (150), --varlen S (75); 0 skips a
+# stage. --runs CONFIG:MASK:MODE,... (benchmarks/gpu.py's, in priority order), --steps N --warmup N
+# (10, 4). Arguments after `--` go to pytest (the suite). PLAIT_WHEELS=DIR: another wheel folder
+# than .whl (its torchtitan/ subfolder likewise). Everything lands in $OUT (default
+# /tmp/plait-gpu; a new temp folder for --dry-run), the only folder a device call brings back:
+#   env.txt, stages.tsv   the machine, torch, commit; each stage's exit code, seconds and limit
+#   suite.log             gpu/run.py: every CUDA-only branch against its reference (the varlen tests too)
+#   signature.txt         plait.models.document_attention.flash_signature(): the varlen signature found
+#   varlen.jsonl, .log    benchmarks/bench_varlen.py: one call vs per segment, Llama 3 8B dims, seq 8192
+#   bench.jsonl, .log     benchmarks/gpu.py: tokens/s, MFU, peak memory, host and GPU busy time of
+#   runs/                 the profiled last step, for plait (eager / compile / CUDA graphs, causal and
+#                         document) and torchtitan 0.3.0 (causal); each run's last log lines
+#   table.md              benchmarks/lease_table.py: all of the above as one dated RESULTS.md section
+#
+# Budget (TOTAL_S = 520 s for the command; the device call's timeout_s 540 holds it, the machine's
+# start is extra). Each stage runs under `timeout`, which signals its whole process group:
+#   stage      limit                       expected on an H100 (first lease, 2026-11-27)
+#   setup      2 x 120 s (pip)             ~10 s: the wheels into two temp target dirs, env.txt
+#   suite      150 s                       ~90 s, plus the varlen tests
+#   signature  30 s                        ~5 s
+#   varlen     75 s                        ~20 s
+#   bench      what is left, less 30 s     14 runs of ~25-45 s (compile start-up dominates), most wanted
+#                                          first; gpu.py starts a run only with 40 s left (one run at
+#                                          most 150 s) and records the rest as not run
+#   table      15 s                        ~1 s
+# What that python lacks travels as wheels in .whl: plait's (`datasets` and two of its needs) go in
+# one target dir on PYTHONPATH for everything; torchtitan's (with the older `datasets` it pins) in
+# another, put first on PYTHONPATH for the torchtitan runs only (gpu.py --torchtitan-path). This
+# checkout's packages go on PYTHONPATH, as gpu/run.py does, so nothing is built there.
 set -u
-OUT=${OUT:-/tmp/plait-gpu}
-SUITE_S=${1:-150}
-BENCH_S=${2:-330}
-shift 2 2>/dev/null
+cd "$(dirname "$0")/.."
+DRY=0 TOTAL_S=520 SUITE_S=150 VARLEN_S=75 STEPS=10 WARMUP=4
+RUNS=llama3-8B:causal:compile,llama3-8B:causal:torchtitan,deepseek-16B:causal:compile,deepseek-16B:causal:torchtitan
+RUNS+=,llama3-8B:document:compile,deepseek-16B:document:compile
+RUNS+=,llama3-8B:causal:cudagraphs,llama3-8B:document:cudagraphs,deepseek-16B:causal:cudagraphs,deepseek-16B:document:cudagraphs
+RUNS+=,deepseek-16B:causal:eager,deepseek-16B:document:eager,llama3-8B:causal:eager,llama3-8B:document:eager
+PYTEST_ARGS=()
+while [ $# -gt 0 ]; do
+    case $1 in
+        --dry-run) DRY=1 ;;
+        --total) TOTAL_S=$2; shift ;;
+        --suite) SUITE_S=$2; shift ;;
+        --varlen) VARLEN_S=$2; shift ;;
+        --runs) RUNS=$2; shift ;;
+        --steps) STEPS=$2; shift ;;
+        --warmup) WARMUP=$2; shift ;;
+        --) shift; PYTEST_ARGS=("$@"); break ;;
+        *) echo "gpu/lease.sh: unknown argument $1 (see the header of gpu/lease.sh)" >&2; exit 2 ;;
+    esac
+    shift
+done
+PY=${PYTHON:-python3}
+if [ $DRY = 1 ]; then OUT=${OUT:-$(mktemp -d -t plait-lease-dry-XXXXXX)}; else OUT=${OUT:-/tmp/plait-gpu}; fi
 mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" >/dev/null; then
-    SITE=$(mktemp -d)  # not under $OUT: what is there is sent back
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
-        && export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+: >"$OUT/stages.tsv"
+START=$SECONDS
+
+stage() {  # stage NAME LIMIT LOG CMD...: CMD under `timeout`, its output to $OUT/LOG and here
+    local name=$1 limit=$2 log=$3 t0=$SECONDS rc
+    shift 3
+    echo "== $name (limit $limit s): $*"
+    timeout -k 10 "$limit" "$@" 2>&1 | tee "$OUT/$log"
+    rc=${PIPESTATUS[0]}
+    printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" "$limit" >>"$OUT/stages.tsv"
+    return 0
+}
+
+# ---- setup: the wheels, each folder into a target dir of its own (not under $OUT: that is sent back)
+PIP_TAGS=()
+if ! $PY -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))'; then
+    # another python (a dry run here): resolve the same cp312 manylinux wheels as the GPU machine's
+    PIP_TAGS=(--python-version 3.12 --implementation cp --only-binary=:all:
+              --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 fi
+install_wheels() {  # install_wheels DIR: DIR's wheels into a new temp dir, printed (nothing if none or failed)
+    compgen -G "$1/*.whl" >/dev/null || return 0
+    local site
+    site=$(mktemp -d -t plait-site-XXXXXX)
+    if timeout 120 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$site" "${PIP_TAGS[@]}" "$1"/*.whl >&2; then
+        echo "$site"
+    else
+        echo "gpu/lease.sh: installing $1/*.whl failed" >&2
+    fi
+}
+t0=$SECONDS
+WHL=${PLAIT_WHEELS:-.whl}  # the test's dry run points it at wheels it made
+SITE=$(install_wheels "$WHL")
+TT_SITE=$(install_wheels "$WHL/torchtitan")
+trap 'rm -rf "$SITE" "$TT_SITE"' EXIT
+printf 'setup\t0\t%s\t240\n' "$((SECONDS - t0))" >>"$OUT/stages.tsv"
+# plait's wheels go on PYTHONPATH where they were built for (the GPU machine); a dry run only
+# checks that they install: this python has its own.
+[ -n "$SITE" ] && [ ${#PIP_TAGS[@]} = 0 ] && PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 PYTHONPATH=$(ls -d "$PWD"/packages/*/src | paste -sd:)${PYTHONPATH:+:$PYTHONPATH}
-export PYTHONPATH PYTHONUNBUFFERED=1
+export PYTHONPATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 {
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-    git rev-parse --short=12 HEAD 2>/dev/null || true
+    echo "date: $(date -u '+%Y-%m-%d %H:%M UTC')"
+    echo "dry_run: $DRY"
+    if command -v nvidia-smi >/dev/null; then
+        echo "gpu: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1)"
+    else
+        echo "gpu: none (no nvidia-smi)"
+    fi
+    $PY -c "
+import platform, torch
+try:
+    import triton; tv = triton.__version__
+except ImportError:
+    tv = 'none'
+print('python:', platform.python_version()); print('torch:', torch.__version__); print('triton:', tv)"
+    commit=$(git rev-parse --short=12 HEAD 2>/dev/null) || commit="unknown (no git)"
+    [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ] && commit+=" + uncommitted changes"
+    echo "commit: $commit"
+    echo "plait wheels: ${SITE:-none}"
+    echo "torchtitan: ${TT_SITE:-none}"
+    echo "total_s: $TOTAL_S"
+    echo "steps: $STEPS"
+    echo "warmup: $WARMUP"
+    echo "runs: $RUNS"
 } 2>&1 | tee "$OUT/env.txt"
 
-# Each stage under `timeout`, which signals its whole process group at the limit: the pytest and
-# plait-train processes it started go with it.
-# Stage 1: every CUDA-only branch against its reference (a hung test fails at 200 s).
-[ "$SUITE_S" -gt 0 ] && timeout -k 10 "$SUITE_S" python3 gpu/run.py -- --timeout=200 --durations=25 "$@" 2>&1 | tee "$OUT/suite.log"
+# ---- suite: every CUDA-only branch against its reference (a hung test fails at 120 s);
+# the dry run collects it (every test module imports), runs none
+if [ "$SUITE_S" -gt 0 ]; then
+    if [ $DRY = 1 ]; then
+        stage suite "$SUITE_S" suite.log $PY gpu/run.py --dry-run-cpu -- --collect-only "${PYTEST_ARGS[@]}"
+    else
+        stage suite "$SUITE_S" suite.log $PY gpu/run.py -- --timeout=120 --durations=15 "${PYTEST_ARGS[@]}"
+    fi
+fi
 
-# Stage 2: bf16 tokens/s and MFU, DeepSeek-V3 16B dims (4 layers) and Llama 3 8B dims (8 layers)
-# in eager / compile / CUDA graphs, causal (torchtitan's default) and the shipped document mask;
-# each run's last step profiled: host time vs GPU busy time. Short runs: medians after the warmup.
-[ "$BENCH_S" -gt 0 ] && timeout -k 10 "$BENCH_S" bash -c '
-    bench="python3 benchmarks/gpu.py --steps 12 --warmup 5 --no-results --profile"
-    $bench --only llama3-8B --modes compile,cudagraphs
-    $bench --only deepseek-16B --modes eager,compile,cudagraphs
-    $bench --only llama3-8B,deepseek-16B --modes compile --attention-mask document
-' 2>&1 | grep -v "^\[gpu\] .*: .*-m plait.trainer" | tee "$OUT/bench.log"
-nvidia-smi --query-gpu=memory.used --format=csv,noheader >>"$OUT/env.txt" 2>&1
+# ---- signature: which varlen signature the op found in this torch
+stage signature 30 signature.txt $PY -c \
+    "from plait.models.document_attention import flash_signature; print(flash_signature())"
+
+# ---- varlen: one call vs per segment, Llama 3 8B dims, seq 8192, bf16, forward and backward
+if [ "$VARLEN_S" -gt 0 ]; then
+    DEVICE=()
+    [ $DRY = 1 ] && DEVICE=(--device cpu --dry-run)
+    stage varlen "$VARLEN_S" varlen.log $PY benchmarks/bench_varlen.py --json "$OUT/varlen.jsonl" "${DEVICE[@]}"
+fi
+
+# ---- bench: plait and torchtitan training steps, in RUNS order, until the budget is spent
+LEFT=$((TOTAL_S - (SECONDS - START) - 30))
+if [ "$LEFT" -gt 60 ]; then
+    BENCH=(--runs "$RUNS" --steps "$STEPS" --warmup "$WARMUP" --profile --no-results --deadline $((LEFT - 25))
+           --run-timeout 150 --min-run-s 40 --json "$OUT/bench.jsonl" --logs "$OUT/runs"
+           --tt-tokenizer "$(realpath -m "$WHL/torchtitan-tokenizer")")
+    [ -n "$TT_SITE" ] && BENCH+=(--torchtitan-path "$TT_SITE")
+    [ $DRY = 1 ] && BENCH+=(--dry-run)
+    stage bench "$LEFT" bench.log $PY benchmarks/gpu.py "${BENCH[@]}"
+else
+    printf 'bench\tskipped\t0\t%s\n' "$LEFT" >>"$OUT/stages.tsv"
+fi
+
+# ---- table: all of it as one RESULTS.md section, $OUT/table.md
+stage table 15 table.log $PY benchmarks/lease_table.py "$OUT"
+echo "gpu/lease.sh: $((SECONDS - START)) s; out: $OUT"
 exit 0

@@ -1,12 +1,47 @@
 #!/usr/bin/env bash
-# The wheels the GPU machines' python lacks for plait-train, into .whl (git-ignored): run here, where
-# PyPI is reachable, before a lease; gpu/lease.sh installs them there (--no-deps, --no-index).
-# The image has pyarrow, pandas, fsspec, huggingface-hub, xxhash, tqdm, pyyaml: `datasets` needs
-# only these two more.
+# What the GPU machines' python (3.12, x86_64, torch 2.11 CUDA, no package registry) lacks, into
+# .whl (git-ignored): run here, where PyPI is reachable, before a lease, then carry .whl with the
+# lease call; gpu/lease.sh installs each folder into a target dir of its own (--no-deps, --no-index).
+#
+#   .whl/*.whl                   plait-train's: `datasets` and the two packages it needs beyond the
+#                                image (which has pyarrow, pandas, fsspec, huggingface-hub, xxhash,
+#                                tqdm, pyyaml)
+#   .whl/torchtitan/*.whl        torchtitan 0.3.0 and what it imports on the benchmark's path that the
+#                                image lacks, with the older `datasets` it pins (<4.8) and that
+#                                datasets' own dill / multiprocess: a folder of its own, put on
+#                                PYTHONPATH for the torchtitan runs only, so it never shadows plait's
+#   .whl/torchtitan-tokenizer/   the tokenizer torchtitan's runs read (from shared/bench)
+#
+# The torchtitan set is torchtitan 0.3.0's Requires-Dist (`pip download torchtitan==0.3.0 --no-deps`,
+# its METADATA) resolved for cp312 manylinux, less torch / triton / the nvidia libraries, what the
+# image already has, and what that path never imports (wandb: imported only when enabled; pillow
+# and einops: multimodal and Flux models only). About 14 MB in all.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-grep -qxF "/.whl/" .git/info/exclude 2>/dev/null || echo "/.whl/" >>.git/info/exclude
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d .whl "datasets==5.2.0" "dill==0.4.1" "multiprocess==0.70.19"
-ls .whl
+grep -qxF "/.whl/" .git/info/exclude 2>/dev/null || { mkdir -p .git/info && echo "/.whl/" >>.git/info/exclude; }
+download() {  # download DIR SPEC...: wheels only, for the GPU machine's python, never their dependencies
+    local dir=$1
+    shift
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d "$dir" "$@"
+}
+download .whl "datasets==5.2.0" "dill==0.4.1" "multiprocess==0.70.19"
+rm -rf .whl/torchtitan
+download .whl/torchtitan "torchtitan==0.3.0" \
+    "spmd_types==0.2.3" "torch_checkpointing==0.1.0" "torchdata==0.11.0" \
+    "tyro==1.0.17" "docstring_parser==0.18.0" "typeguard==4.6.1" "typing_extensions==4.16.0" \
+    "datasets==4.7.0" "dill==0.4.0" "multiprocess==0.70.18" \
+    "huggingface_hub==1.33.0" "hf-xet==1.8.0" "httpx==0.28.1" "httpcore==1.0.9" "h11==0.16.0" "anyio==4.16.0" \
+    "click==8.5.1" \
+    "tokenizers==0.23.3" "safetensors==0.8.0" \
+    "tensorboard==2.21.0" "tensorboard-data-server==0.7.2" "protobuf==7.36.2" "absl-py==2.5.1" \
+    "markdown==3.11.3" "werkzeug==3.1.9" "markupsafe==3.0.4"
+TOKENIZER=${PLAIT_TT_TOKENIZER:-../shared/bench/torchtitan-tokenizer}
+if [ -d "$TOKENIZER" ]; then
+    rm -rf .whl/torchtitan-tokenizer && cp -r "$TOKENIZER" .whl/torchtitan-tokenizer && chmod -R u+w .whl/torchtitan-tokenizer
+else
+    echo "gpu/wheels.sh: no torchtitan tokenizer at $TOKENIZER: the lease's torchtitan runs will fail" >&2
+fi
+ls .whl .whl/torchtitan
+du -sh .whl
