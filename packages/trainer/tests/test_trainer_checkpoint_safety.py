@@ -130,6 +130,10 @@ def test_publish_rechecks_the_output_and_the_sharded_export_refuses_foreign_fold
     from plait.models import get_model_spec
     from plait.trainer.checkpoint import hf_sharded
 
+    (tmp_path / "a-file").write_text("x")  # --output A/B with A a file (fault probe 12): one line
+    with pytest.raises(store.CheckpointError, match="which is a file, not a folder"):
+        hf_output.check_output(tmp_path / "a-file" / "hf", "--output")
+    (tmp_path / "a-file").unlink()
     out = tmp_path / "hf"
     tmp = hf_output.make_temp(out, {})
     out.mkdir()
@@ -205,6 +209,21 @@ def test_resume_with_other_model_arguments_is_refused_naming_them(trained, tmp_p
     err = one_error_line(result)
     assert "other model arguments" in err and "norm_eps 1e-05 (now 1e-06)" in err and "rope_theta 12345" in err
     assert "--model.rope_theta 12345" in err
+    # Another flavor (issue 40 fault probe 16): the advice names the checkpoint's flavor first and
+    # then only what differs from that flavor.
+    import dataclasses
+
+    from plait.models import get_model_spec
+
+    marker = dump / "checkpoints" / "step-000002" / store.MARKER
+    original = marker.read_text()
+    body = json.loads(original)
+    body["flavor"] = "1B"
+    body["model_args"] = {**dataclasses.asdict(get_model_spec("llama3").flavors["1B"]), "n_layers": 2}
+    marker.write_text(json.dumps(body))
+    advice = one_error_line(run(dump, "--training.steps", "3", expect=2))
+    assert "resume with the checkpoint's (--model.flavor 1B --model.n_layers 2)" in advice, advice
+    marker.write_text(original)
     assert {k: v for k, v in listing(dump).items() if k != "exit_status"} == {
         k: v for k, v in before.items() if k != "exit_status"}
     # A checkpoint from before the record: the export's error says what is missing, truthfully.

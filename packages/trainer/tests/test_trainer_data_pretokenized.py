@@ -81,6 +81,10 @@ def test_errors(tok, corpus, tmp_path):
     (bad / "meta.json").write_text(json.dumps({**meta, "num_tokens": meta["num_tokens"] + 10}))
     with pytest.raises(DataError, match="do not match meta.json"):
         build_dataloader("tokens", str(bad), tok, SEQ, 2, 1, 0, 1, 0)
+    # A meta.json missing a key: one line naming it, not KeyError (issue 40 fault probe 18).
+    (bad / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "num_tokens"}))
+    with pytest.raises(DataError, match="meta.json lacks num_tokens"):
+        build_dataloader("tokens", str(bad), tok, SEQ, 2, 1, 0, 1, 0)
 
 
 def test_validation_checks_the_folder_before_the_model(corpus, tmp_path):

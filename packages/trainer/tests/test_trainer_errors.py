@@ -55,6 +55,11 @@ def test_cli_errors_in_a_subprocess(args, message):
         (["--job.dump_folder", ""], "job.dump_folder = '' is empty"),
         (["--checkpoint.enable", "true", "--checkpoint.folder", ""], 'checkpoint.folder = "": name a folder'),
         (["--training.compile_mode", "reduce-overhead"], "applies to compiled blocks: set training.compile = true"),
+        # issue 40 fault probes 10 and 19: pipeline settings at pp 1, the seed's range.
+        (["--parallelism.pipeline_schedule", "Bogus"], "'Bogus' is not a pipeline schedule: use one of"),
+        (["--parallelism.pipeline_microbatch_size", "0"], "pipeline_microbatch_size = 0: must be >= 1"),
+        (["--job.seed", "-1"], "job.seed = -1: must be in [0, 2^63)"),
+        (["--job.seed", str(2**63)], "must be in [0, 2^63)"),
         (
             ["--nproc-per-node", "2", "--training.compile", "true", "--training.compile_mode", "reduce-overhead"],
             "FSDP / HSDP free and re-allocate the unsharded parameters",

@@ -116,6 +116,27 @@ def _check_positive(config: Config) -> None:
         raise ConfigError(f"lr_scheduler.decay_ratio = {config.lr_scheduler.decay_ratio}: must be in (0, 1].")
     if config.data.val_interval and not config.data.val_dataset:
         raise ConfigError("data.val_interval is set but data.val_dataset is empty: name a validation dataset.")
+    if not 0 <= config.job.seed < 2**63:
+        raise ConfigError(f"job.seed = {config.job.seed}: must be in [0, 2^63) (torch's and numpy's seed range).")
+    _check_pipeline_settings(config)
+
+
+def _check_pipeline_settings(config: Config) -> None:
+    """The pipeline settings, at pp 1 too: a typo must not wait until the run that uses pp > 1."""
+    p = config.parallelism
+    for key in ("pipeline_microbatch_size", "pipeline_virtual_stages"):
+        if getattr(p, key) < 1:
+            raise ConfigError(f"parallelism.{key} = {getattr(p, key)}: must be >= 1.")
+    if any(n < 1 for n in p.layers_per_stage):
+        raise ConfigError(f"parallelism.layers_per_stage = {p.layers_per_stage}: every stage needs >= 1 block.")
+    try:
+        from plait.pipelineparallel.config import schedule_name
+    except ImportError:  # plait-pipelineparallel not installed: pp > 1 says so itself
+        return
+    try:
+        schedule_name(p.pipeline_schedule)
+    except ValueError as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
 
 
 def _check_data_parallel(config: Config, dims: ParallelDims) -> None:

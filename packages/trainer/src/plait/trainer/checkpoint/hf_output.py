@@ -58,6 +58,9 @@ def check_output(output: str | Path, where: str, protected: list[Path] = ()) -> 
             raise CheckpointError(f"{where} = {str(output)!r} is inside the checkpoint {folder}: choose a "
                                   "folder outside it")
     for parent in out.parents:
+        if parent.exists() and not parent.is_dir():
+            raise CheckpointError(f"{where} = {str(output)!r} lies under {parent}, which is a file, not a folder: "
+                                  "choose another path")
         if (parent / MARKER).is_file():
             raise CheckpointError(f"{where} = {str(output)!r} is inside the checkpoint {parent}: choose a "
                                   "folder outside it")

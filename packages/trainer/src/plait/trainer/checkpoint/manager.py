@@ -227,11 +227,33 @@ class CheckpointManager:
         differ = [k for k in sorted(saved.keys() | ours.keys()) if k not in skip and saved.get(k) != ours.get(k)]
         if differ:
             shown = ", ".join(f"{k} {saved.get(k)!r} (now {ours.get(k)!r})" for k in differ[:6])
-            flags = " ".join(f"--model.{k} {saved.get(k)}" for k in differ[:6] if not isinstance(saved.get(k), dict))
+            more = f" and {len(differ) - 6} more" if len(differ) > 6 else ""
             raise CheckpointError(
-                f"checkpoint {path} was trained with other model arguments ({meta.get('flavor')} flavor): {shown}; "
-                f"resume with the checkpoint's ({flags}) or use another checkpoint.folder"
+                f"checkpoint {path} was trained with other model arguments ({meta.get('flavor')} flavor): {shown}{more}; "
+                f"resume with the checkpoint's ({self._resume_flags(meta, saved, skip)}) or use another checkpoint.folder"
             )
+
+    def _resume_flags(self, meta: dict, saved: dict, skip) -> str:
+        """The flags that give back the checkpoint's model: its flavor first when it was another
+        (then only what differs from that flavor), every differing argument (vocab_size too)."""
+        import dataclasses
+
+        from plait.models import get_model_spec
+
+        flavor, base, flags = meta.get("flavor"), dict(self.model_args), []
+        flavors = get_model_spec(self.config.model.name).flavors
+        if flavor and flavor != self.config.model.flavor and flavor in flavors:
+            flags.append(f"--model.flavor {flavor}")
+            base = dataclasses.asdict(flavors[flavor])
+        for key in sorted(saved):
+            value = saved[key]
+            if key in skip or value == base.get(key):
+                continue
+            if isinstance(value, dict):
+                flags.append(f"[model] {key} = {value} in the TOML")
+            else:
+                flags.append(f"--model.{key} {value}")
+        return " ".join(flags)
 
     def _check_model(self, path: Path, meta: dict) -> None:
         """The checkpoint must hold this model: same parameter names and global shapes."""

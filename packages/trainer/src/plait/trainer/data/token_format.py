@@ -18,6 +18,8 @@ import numpy as np
 from .errors import DataError
 
 TOKENS_FILE, OFFSETS_FILE, META_FILE = "tokens.bin", "offsets.npy", "meta.json"
+# What every reader of meta.json needs (pretokenize.py writes them all).
+REQUIRED_META = ("num_documents", "num_tokens", "n_words", "bos_id", "eos_id", "tokenizer")
 
 
 def tokenizer_sha256(tokenizer) -> str:
@@ -41,6 +43,9 @@ def read_meta(folder: str | Path) -> dict:
         offsets = np.load(folder / OFFSETS_FILE, mmap_mode="r")
     except (OSError, ValueError) as e:
         raise DataError(f"{folder}: {META_FILE} or {OFFSETS_FILE} cannot be read ({e}); {fix}") from None
+    missing = [k for k in REQUIRED_META if not isinstance(meta, dict) or k not in meta]
+    if missing:
+        raise DataError(f"{folder}: {META_FILE} lacks {', '.join(missing)} (not written by pretokenize, or edited); {fix}")
     size = (folder / TOKENS_FILE).stat().st_size if (folder / TOKENS_FILE).is_file() else -1
     # pretokenize.py writes exactly the tokens (one placeholder id for an empty folder).
     if len(offsets) != meta["num_documents"] + 1 or size != 4 * max(meta["num_tokens"], 1):
