@@ -531,3 +531,48 @@ def test_a_write_failing_on_one_rank_fails_every_rank_with_one_line(tmp_path, fa
     cause = "No space left on device" if failing == "rng" else "Read-only file system"
     assert messages[0] == messages[1] and cause in messages[0] and "step 2" in messages[0], messages
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000001"]
+
+
+def _background_write_fails_on_rank_1(rank: int, world_size: int, dump: str) -> tuple:
+    """2 gloo ranks, async saves every 5 steps: rank 1's background write of step 5 fails a little
+    later. Every rank must learn of it at the same step, with the same line (issue 40 item 5)."""
+    import errno
+    import time
+
+    mgr = manager(Path(dump), "checkpoint.async_mode", "async", "checkpoint.interval", "5", rank=rank,
+                  world_size=world_size)  # fmt: skip
+    mgr.load()
+    if rank == 1:  # DCP's own write goes on (its collectives need every rank); its result fails later
+        from concurrent.futures import ThreadPoolExecutor
+
+        import torch.distributed.checkpoint as dcp
+
+        real_async_save, pool = dcp.async_save, ThreadPoolExecutor(1)
+
+        def async_save_that_fails(*args, **kwargs):
+            written = real_async_save(*args, **kwargs)
+
+            def result():
+                written.result()
+                time.sleep(0.5)
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            return pool.submit(result)
+
+        dcp.async_save = async_save_that_fails
+    for step in range(1, 200):
+        try:
+            mgr.after_step(step)
+        except store.CheckpointWriteError as e:
+            return step, str(e)
+        time.sleep(0.02)
+    return None, "no error"
+
+
+def test_a_background_save_failing_on_one_rank_is_seen_by_every_rank_at_the_same_step(tmp_path):
+    from plait.mesh.testing import run_on_ranks
+
+    (step0, line0), (step1, line1) = run_on_ranks(_background_write_fails_on_rank_1, 2, str(tmp_path), timeout=120)
+    assert step0 == step1 and step0 is not None and step0 > 5, (step0, step1)
+    assert line0 == line1 and "could not save step 5" in line0 and "rank 1" in line0 and "No space" in line0, line0
+    assert not (tmp_path / "checkpoints" / "step-000005").exists()

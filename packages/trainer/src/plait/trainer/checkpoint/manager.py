@@ -84,9 +84,13 @@ class CheckpointManager:
         self.resumed_from: tuple[int, Path] | None = None  # (step, path) this run resumed from
         self._rejected: set[str] = set()  # rank 0: checkpoints found damaged while choosing
         self.model_args = hf_export.args_record(getattr(model, "args", None))
+        self.control_group = None
         if self.c.enable and self.c.async_mode == "async" and dist.is_initialized():
             # Collectives of the background writer must not interleave with training's.
             self.async_group = dist.new_group(backend="gloo")
+            # The ranks agree on the CPU (no device sync) when a background save is finished on all
+            # of them and whether it failed anywhere, so all learn of a failure at the same step.
+            self.control_group = dist.new_group(backend="gloo")
         if self.saving and rank == 0:
             for path in store.remove_stale_temporaries(self.folder, self.run_id):
                 self._log(f"removed {path.name}, the unfinished save of an earlier run")
@@ -462,19 +466,26 @@ class CheckpointManager:
             f"good checkpoint is {kept}"
         )
 
-    def _hash_when_written(self, written, tmp: Path) -> dict | None:
+    def _hash_when_written(self, written, tmp: Path) -> tuple[dict | None, str | None]:
         """Background thread: wait for DCP's write, then hash this rank's files (gathered on rank 0
-        over the async group, which only this thread uses while a save is in flight)."""
-        written.result()
-        return self._gather_checksums(tmp, group=self.async_group)
+        over the async group, which only this thread uses while a save is in flight). A rank whose
+        write failed still joins the gather (else the others would wait in it forever) and returns
+        its problem: (checksums on rank 0 or None, this rank's problem or None)."""
+        problem = None
+        try:
+            written.result()
+        except (Exception, CheckpointException) as e:
+            problem = f"the background write failed on rank {self.rank}: {store.cause_of(e)}"
+        return self._gather_checksums(tmp, group=self.async_group, hash_files=problem is None), problem
 
-    def _gather_checksums(self, tmp: Path, group) -> dict | None:
+    def _gather_checksums(self, tmp: Path, group, hash_files: bool = True) -> dict | None:
         """Each rank hashes the files it wrote; rank 0 gets {file: crc32} of all of them, others None."""
         world = dist.get_world_size() if dist.is_initialized() else 1
+        mine = {}
         try:
-            mine = store.checksums(tmp, store.owned_files(tmp, self.rank, world))
+            if hash_files:
+                mine = store.checksums(tmp, store.owned_files(tmp, self.rank, world))
         except OSError as e:  # rank 0's publish reports it (write_marker finds a file without checksum)
-            mine = {}
             print(f"plait-train: rank {self.rank}: checkpoint: cannot read back {tmp}: {store.cause_of(e)}", flush=True)
         if world == 1:
             return mine
@@ -500,9 +511,29 @@ class CheckpointManager:
         self._log(f"saved {final} ({how}){pruned}")
 
     def _poll(self) -> None:
+        """Finish the save in flight once it is written on EVERY rank (one CPU all-reduce per step
+        while it is in flight): each rank's future completes when it will, and a rank that saw its
+        own failure alone would raise while the others went on into the next step's collectives."""
         future, step, tmp, meta = self.pending
-        if future.done():
+        if self._done_everywhere(future.done()):
             self._finish(future, step, tmp, meta)
+
+    def _done_everywhere(self, done: bool) -> bool:
+        if self.control_group is None:
+            return done
+        import torch
+
+        flag = torch.tensor([1 if done else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.control_group)
+        return bool(flag.item())
+
+    def _agreed(self, problem: str | None) -> list:
+        """Every rank's problem (None: none) on every rank, over the CPU control group."""
+        if self.control_group is None:
+            return _all_gather(problem)
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, problem, group=self.control_group)
+        return out
 
     def _wait(self) -> None:
         """Block until the save in flight is written (and, on rank 0, published)."""
@@ -512,18 +543,24 @@ class CheckpointManager:
             self._finish(*self.pending, waited=time.perf_counter() - t0)
 
     def _finish(self, future, step: int, tmp: Path, meta: dict, waited: float = 0.0) -> None:
+        """Every rank, at the same step: publish the written save (rank 0), or raise one line on
+        every rank when any rank's write or rank 0's publish failed."""
         self.pending = None
+        crcs, problem = None, None
         try:
-            crcs = future.result()
-        except (Exception, CheckpointException) as e:  # DCP's async write failed (on some rank)
-            self._raise_if_failed(step, tmp, [f"the background write failed: {store.cause_of(e)}"])
+            crcs, problem = future.result()
+        except (Exception, CheckpointException) as e:  # the checksum gather itself failed
+            problem = f"the background write failed on rank {self.rank}: {store.cause_of(e)}"
+        self._raise_if_failed(step, tmp, self._agreed(problem))
+        verdict = None
         if self.rank == 0:
             try:
                 self._publish(step, tmp, dict(meta, crcs=crcs), f"written in the background, waited {waited:.2f} s")
             except (OSError, CheckpointError) as e:
-                self._raise_if_failed(step, tmp, [store.cause_of(e)])
-        elif not meta["model_only"]:
-            self.last_good = (step, self.folder / store.step_name(step))  # rank 0 publishes it
+                verdict = store.cause_of(e)
+        self._raise_if_failed(step, tmp, [self._agreed(verdict)[0]])
+        if self.rank != 0 and not meta["model_only"]:
+            self.last_good = (step, self.folder / store.step_name(step))  # rank 0 published it
 
     def _hf_output(self, step: int) -> Path:
         return self.folder / f"hf-{store.step_name(step)}"
