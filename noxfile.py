@@ -144,8 +144,9 @@ def bench(session: nox.Session) -> None:
     """The benchmark suite (benchmarks/suite.py): plait vs torchtitan 0.3.0, profiles, scaling;
     appends a dated section to benchmarks/RESULTS.md; then document masking's bench
     (benchmarks/bench_document_mask.py), the pipeline bubble bench (benchmarks/bench_pipeline.py,
-    also a section in RESULTS.md) and bf16 products' kernels on this CPU (benchmarks/bench_cpu_bf16.py).
-    Not part of the tests."""
+    also a section in RESULTS.md), bf16 products' kernels on this CPU (benchmarks/bench_cpu_bf16.py)
+    and the ops a step dispatches, plait vs torchtitan (benchmarks/bench_host_ops.py, a section in
+    RESULTS.md). Not part of the tests."""
     _install(session, ALL, extras="")
     # torchtitan next to the pinned torch (the constraint keeps pip from replacing it).
     constraints = pathlib.Path(session.create_tmp()) / "torch.txt"
@@ -158,6 +159,8 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench_pipeline.py", "--results", "benchmarks/RESULTS.md", env={"OMP_NUM_THREADS": "1"})
     # bf16 products: torch's bf16 kernels vs the fp32 route plait takes on a CPU without bf16 units.
     session.run("python", "benchmarks/bench_cpu_bf16.py")
+    # Host work: ops per eager step (a kernel launch each on a GPU), plait vs torchtitan, document vs causal.
+    session.run("python", "benchmarks/bench_host_ops.py", "--results", "benchmarks/RESULTS.md", env={"OMP_NUM_THREADS": "1"})
 
 
 @nox.session

@@ -20,7 +20,9 @@ reports to it) only, never plait:
     sets FSDP's divide factor to 1.0, which selects ReduceOp.PREMUL_SUM, NCCL-only (gloo raises);
     SUM then x 1.0 gives the same gradients;
   * optional (PLAIT_BENCH_COUNT_TT_SYNCS=1): count the EP dispatcher's device-to-host transfers
-    of the split sizes (`AllToAllTokenDispatcher._sync_token_count_exchange`), printed at exit.
+    of the split sizes (`AllToAllTokenDispatcher._sync_token_count_exchange`), printed at exit;
+  * optional (PLAIT_BENCH_COUNT_OPS=PATH): count the ops one `Trainer.train_step` dispatches with
+    plait's counter (bench_host_ops.py), written to PATH as JSON (rank 0).
 
 Besides these patches, 2-rank expert parallel on CPU needs two of torchtitan's own options:
 `--parallelism.spmd_backend partial_dtensor` (the default `spmd_types` stops in FSDP init:
@@ -228,6 +230,48 @@ def _count_dispatcher_syncs() -> None:
 
 # 6. Optional count of the dispatcher's host transfers (benchmark instrumentation).
 _count_dispatcher_syncs()
+
+
+def _count_step_ops() -> None:
+    """With PLAIT_BENCH_COUNT_OPS=PATH: count the ops of step PLAIT_BENCH_COUNT_OPS_STEP (default 2,
+    after the first step's one-time work) of `Trainer.train_step` with plait's HostOpCounter
+    (plan/host_ops.py imports only torch: loaded here by path), and write {ops, kernel_ops, by_op} to
+    PATH (rank 0). The step's batches are drawn from the data iterator before counting (plait's
+    step, too, is handed its batches). Instrumentation only: the step runs unchanged."""
+    path = os.environ.get("PLAIT_BENCH_COUNT_OPS")
+    if not path:
+        return
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    source = Path(__file__).resolve().parents[1] / "packages/trainer/src/plait/trainer/plan/host_ops.py"
+    spec = importlib.util.spec_from_file_location("plait_host_ops", source)
+    host_ops = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(host_ops)
+    from torchtitan.trainer import Trainer
+
+    at = int(os.environ.get("PLAIT_BENCH_COUNT_OPS_STEP", "2"))
+    original = Trainer.train_step
+
+    def train_step(self, data_iterator):
+        if self.step != at:
+            return original(self, data_iterator)
+        n = self.gradient_accumulation_steps * self.num_pipeline_parallel_microbatches
+        batches = [next(data_iterator) for _ in range(n)]
+        counter = host_ops.HostOpCounter()
+        with counter:
+            result = original(self, iter(batches))
+        if os.environ.get("RANK", "0") == "0":
+            Path(path).write_text(json.dumps({"ops": counter.ops(), "kernel_ops": counter.kernel_ops(),
+                                              "by_op": dict(counter.by_op())}))
+        return result
+
+    Trainer.train_step = train_step
+
+
+# 7. Optional count of the step's ops (benchmark instrumentation).
+_count_step_ops()
 
 if __name__ == "__main__":
     from torchtitan.train import main

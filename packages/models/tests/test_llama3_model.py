@@ -9,7 +9,7 @@ from torch import nn
 from plait.models import cpu_bf16
 from plait.models.common import ScaledDotProductAttention
 from plait.models.llama3 import FLAVORS
-from plait.models.llama3.rope import rope_at, rope_tables
+from plait.models.llama3.rope import apply_rope, rope_at, rope_tables
 
 
 def test_debugmodel_forward_backward():
@@ -49,6 +49,26 @@ def test_rope_gathers_table_rows_at_positions(tiny_args):
     assert cos.shape == (2, 3, 1, tiny_args.head_dim // 2)
     torch.testing.assert_close(cos[1, 1, 0], cos_LK[63])
     torch.testing.assert_close(sin[0, 1, 0], sin_LK[40])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_is_the_pair_rotation_to_the_bit(dtype):
+    """apply_rope's fused form gives the floats of the pair rotation written out, forward and backward."""
+
+    def written_out(x_BSHD, cos, sin):
+        x_even, x_odd = x_BSHD.float().unflatten(-1, (-1, 2)).unbind(-1)
+        return torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1).flatten(-2).type_as(x_BSHD)
+
+    torch.manual_seed(0)
+    cos, sin = rope_at(*rope_tables(16, 512, 10000.0, None), torch.randint(0, 512, (2, 9)))
+    x, grad = (torch.randn(2, 9, 3, 16).mul(10).to(dtype) for _ in range(2))
+    results = []
+    for rope in (apply_rope, written_out):
+        leaf = x.clone().requires_grad_()
+        y = rope(leaf, cos, sin)
+        y.backward(grad)
+        results.append((y.detach(), leaf.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 def test_rope_only_sees_relative_positions():

@@ -189,6 +189,22 @@ def test_load_balance_accumulation_equals_one_big_batch():
     torch.testing.assert_close(micro.router.expert_bias, big.router.expert_bias)
 
 
+def test_load_balance_of_a_model_is_each_routers_own_update_to_the_bit():
+    torch.manual_seed(0)
+    layers = [torch.nn.ModuleList([_moe() for _ in range(3)]) for _ in range(2)]
+    for i in range(3):
+        counts = torch.randint(0, 50, (E,)).float()
+        counts[: i + 1] = counts[0]  # ties too
+        for model in layers:
+            model[i].router.tokens_per_expert.copy_(counts)
+    update_moe_load_balance(layers[0], 1e-3)
+    for moe in layers[1]:
+        moe.router.update_expert_bias(1e-3)
+    for one, own in zip(layers[0], layers[1]):
+        assert torch.equal(one.router.expert_bias, own.router.expert_bias)
+        assert torch.any(one.router.expert_bias != 0) and torch.all(one.router.tokens_per_expert == 0)
+
+
 def test_load_balance_reduce_counts_sees_all_layers_at_once():
     model = torch.nn.ModuleList([_moe(), _moe()])
     seen = []

@@ -142,3 +142,71 @@ def test_search_bad_input_is_one_line_and_exit_2(extra, words, tmp_path, capsys)
     assert plan_cli.main(["--job.dump_folder", str(tmp_path), "--plan.search", *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("plait-plan: error: ") and words in err and "\n" not in err
+
+
+def test_host_ops_in_json_positive_and_the_same_for_the_same_plan(tmp_path, capsys):
+    outs = [tmp_path / "a.json", tmp_path / "b.json"]
+    for out in outs:
+        assert plan_cli.main(["--job.dump_folder", str(tmp_path), *SMALL, "--plan.json", str(out)]) == 0
+    table = capsys.readouterr().out
+    first, second = (json.loads(out.read_text()) for out in outs)
+    assert 0 < first["host_kernel_ops_per_step"] < first["host_ops_per_step"]
+    assert f"host ops per step: {first['host_ops_per_step']} (kernel launches: " in table
+    assert sum(first["host_ops_by_op"].values()) == first["host_ops_per_step"]
+    assert "aten::mm" in first["host_ops_by_op"] and "aten::_fused_adamw_" in first["host_ops_by_op"]
+    for key in ("host_ops_per_step", "host_kernel_ops_per_step", "host_ops_by_op"):
+        assert first[key] == second[key], key
+
+
+def _trace(tmp_path, extra, **kwargs):
+    from plait.trainer.plan.trace import trace_step
+    from plait.trainer.validate import validate
+
+    config = plan_cli_config(train_cli.parse_args(["--job.dump_folder", str(tmp_path), *SMALL, *extra]))
+    return trace_step(config, validate(config, world_size=1), **kwargs)
+
+
+def _measured_host_ops(rank, world_size, argv):
+    from plait.trainer.plan.measure import measured_step
+
+    traced = measured_step(argv)
+    return traced.host_ops, traced.host_kernel_ops
+
+
+def test_host_ops_of_a_plan_are_the_real_steps(tmp_path):
+    """The traced step (fake tensors) dispatches the ops a real step of the same layout does: the
+    first step's optimizer, which also makes its state, counted as a later step's."""
+    from plait.mesh.testing import run_on_ranks
+
+    traced = _trace(tmp_path, [])
+    argv = ["--job.dump_folder", str(tmp_path / "real"), *SMALL]
+    assert run_on_ranks(_measured_host_ops, 1, argv, timeout=120)[0] == (traced.host_ops, traced.host_kernel_ops)
+
+
+def test_document_masked_host_ops_do_not_grow_with_documents(tmp_path):
+    """A document mask is one attention op per layer, however many documents a row holds."""
+    document = ["--model.attention_mask", "document", "--training.seq_len", "256"]
+    one, eight = (_trace(tmp_path, document, documents_per_row=n) for n in (1, 8))
+    assert one.host_ops == eight.host_ops and one.host_kernel_ops == eight.host_kernel_ops
+    assert one.host_ops_by_op == eight.host_ops_by_op
+
+
+def test_moe_ops_do_not_depend_on_the_tokens_each_expert_receives():
+    """Every token routed to the same experts (the others get none) or spread: the same ops."""
+    import torch
+
+    from plait.models.moe import MoE, TokenChoiceTopKRouter
+    from plait.trainer.plan.host_ops import HostOpCounter
+
+    torch.manual_seed(0)
+    moe = MoE(32, 48, 8, 1, TokenChoiceTopKRouter(32, 8, 3, score_func="sigmoid", route_norm=True))
+    moe.init_weights(0.02)
+    counts = []
+    for x in (torch.randn(2, 16, 32), torch.ones(2, 16, 32)):
+        moe.zero_grad(set_to_none=True)
+        counter = HostOpCounter()
+        with counter:
+            moe(x.requires_grad_()).sum().backward()
+        counts.append(counter.by_op())
+    spread, same = counts
+    assert spread == same and sum(spread.values()) > 0

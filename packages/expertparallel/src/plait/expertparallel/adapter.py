@@ -47,13 +47,14 @@ def permute_and_pad(x_ND, tokens_per_expert_group, ep_degree, num_local_experts,
     P = -(-(N + num_local_experts * (alignment - 1)) // alignment) * alignment  # every group wastes < alignment rows
     permuted_P = torch.full((P,), -1, dtype=torch.int64, device=x_ND.device).index_copy(0, dst_N, order_N)
     x_ext_ND = torch.cat([x_ND, x_ND.new_zeros(1, D)])  # padding reads an appended zero row
-    return x_ext_ND[torch.where(permuted_P < 0, N, permuted_P)], permuted_P, m_sizes_E
+    # masked_fill with a number, not `where`: no device tensor made of the number (a launch).
+    return x_ext_ND[permuted_P.masked_fill(permuted_P < 0, N)], permuted_P, m_sizes_E
 
 
 def unpermute(y_padded_PD, permuted_indices_P, num_rows):
     """Inverse of `permute_and_pad`: the rows back in received order; padding is never read."""
     P = permuted_indices_P.shape[0]
-    target_P = torch.where(permuted_indices_P < 0, num_rows, permuted_indices_P)
+    target_P = permuted_indices_P.masked_fill(permuted_indices_P < 0, num_rows)
     inverse_N = torch.zeros(num_rows + 1, dtype=torch.int64, device=permuted_indices_P.device)
     inverse_N.scatter_(0, target_P, torch.arange(P, device=permuted_indices_P.device))
     return y_padded_PD[inverse_N[:num_rows]]

@@ -79,13 +79,15 @@ class CapacityDispatcher:
         )
         position_N = torch.arange(N, device=x_ND.device) - offsets_E[expert_N]
         kept_N = position_N < C
-        slot_N = torch.where(kept_N, expert_N * C + position_N, E * C)  # dropped rows -> a dump slot
+        dropped_N = ~kept_N
+        # Dropped rows -> a dump slot (masked_fill with a number: no device tensor made of it).
+        slot_N = (expert_N * C + position_N).masked_fill(dropped_N, E * C)
         # Training forwards, not evaluation, nor an activation-checkpoint recomputation in backward.
         # Under torch.compile the graph task id cannot be traced (a graph break), and is not needed:
         # the count is a graph output applied once per call, a recomputation inside the compiled
         # backward does not apply it again.
         if torch.is_grad_enabled() and (torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1):
-            self.dropped = self.dropped + (~kept_N).sum()
+            self.dropped = self.dropped + dropped_N.sum()
         send = x_ND.new_zeros(E * C + 1, D).index_copy(0, slot_N, x_ND)[: E * C]  # [ep * El * C, D]
         received = all_to_all_single_autograd(send, None, None, self.group)  # [ep(src), El, C, D]
         # Expert-major for the grouped GEMM: [El, ep(src), C, D], every expert ep * C rows.

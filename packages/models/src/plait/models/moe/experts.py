@@ -97,17 +97,18 @@ def run_experts_grouped_mm(
     # grouped_mm takes int32 cumulative end rows, one per expert.
     offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
     # grouped_mm leaves rows past the last offset uninitialised in its output and in the input
-    # gradient (they can hold inf/NaN). Masking both ends with `where` zeroes them without a
-    # sync and keeps them out of autograd, matching the loop path.
+    # gradient (they can hold inf/NaN). Masking both ends zeroes them without a sync and keeps them
+    # out of autograd, matching the loop path. (masked_fill with a number: one kernel; `where`
+    # with a number first makes that number a tensor on the device, a second launch.)
     row_T = torch.arange(x_TD.shape[0], device=x_TD.device)
-    valid_T1 = (row_T < offsets_E[-1])[:, None]
+    padding_T1 = (row_T >= offsets_E[-1])[:, None]
     dtype = compute_dtype(x_TD)  # autocast has no rule for grouped_mm: cast as it casts a matmul
-    x_TD = torch.where(valid_T1, x_TD, 0.0).to(dtype)
+    x_TD = x_TD.masked_fill(padding_T1, 0.0).to(dtype)
     w1, w2, w3 = w1_EDH.to(dtype), w2_EHD.to(dtype), w3_EDH.to(dtype)
     h_TH = F.silu(_grouped_mm(x_TD, w1, offsets_E))
     h_TH = h_TH * _grouped_mm(x_TD, w3, offsets_E)
     y_TD = _grouped_mm(h_TH, w2, offsets_E)
-    return torch.where(valid_T1, y_TD, 0.0)
+    return y_TD.masked_fill(padding_T1, 0.0)
 
 
 def _equal_groups_as_bmm(x: torch.Tensor) -> bool:
@@ -181,8 +182,8 @@ class GroupedExperts(nn.Module):
         y_padded_PD = run_experts_grouped_mm(w1, w2, w3, x_padded_PD, m_sizes_E)
         y_ND = unpermute(y_padded_PD, permuted_P, N)
         # Rows past the groups (a static buffer's tail) were never mapped: zero, like the loop's.
-        valid_N1 = (torch.arange(N, device=x_TD.device) < num_tokens_per_expert_E.sum())[:, None]
-        return torch.where(valid_N1, y_ND, 0.0)
+        padding_N1 = (torch.arange(N, device=x_TD.device) >= num_tokens_per_expert_E.sum())[:, None]
+        return y_ND.masked_fill(padding_N1, 0.0)
 
     def init_weights(self, init_std: float) -> None:
         nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)

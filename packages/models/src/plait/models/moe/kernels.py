@@ -118,8 +118,9 @@ def permute_indices_torch(
     row_P = torch.arange(max_len, device=device)
     seg_P = torch.searchsorted(dst_start_S, row_P, right=True) - 1
     within_P = row_P - dst_start_S[seg_P]
-    is_token_P = within_P < count_S[seg_P]
-    permuted_P = torch.where(is_token_P, src_start_S[seg_P] + within_P, -1)
+    # masked_fill with a number, not `where`: no device tensor made of the number (a launch).
+    is_padding_P = within_P >= count_S[seg_P]
+    permuted_P = (src_start_S[seg_P] + within_P).masked_fill(is_padding_P, -1)
     return permuted_P, m_sizes_E.to(torch.int32), m_offsets_E.to(torch.int32)
 
 
@@ -172,7 +173,7 @@ def permute_and_pad(
     )
     # Padding reads an appended zero row, so the gather needs no mask and no sync.
     x_ext_ND = torch.cat([x_ND, x_ND.new_zeros(1, x_ND.shape[1])])
-    gather_P = torch.where(permuted_P < 0, N, permuted_P)
+    gather_P = permuted_P.masked_fill(permuted_P < 0, N)
     return x_ext_ND[gather_P], permuted_P, m_sizes_E
 
 
@@ -181,7 +182,7 @@ def unpermute(y_padded_PD: torch.Tensor, permuted_indices_P: torch.Tensor, num_r
     P = permuted_indices_P.shape[0]
     # Invert the permutation with one scatter (every real row is hit exactly once; padding all
     # lands on a dump slot), then gather: deterministic, and padding rows are never read.
-    target_P = torch.where(permuted_indices_P < 0, num_rows, permuted_indices_P)
+    target_P = permuted_indices_P.masked_fill(permuted_indices_P < 0, num_rows)
     inverse_N = torch.zeros(num_rows + 1, dtype=torch.int64, device=permuted_indices_P.device)
     inverse_N.scatter_(0, target_P, torch.arange(P, device=permuted_indices_P.device))
     return y_padded_PD[inverse_N[:num_rows]]

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .router import TokenChoiceTopKRouter
+from .router import TokenChoiceTopKRouter, expert_bias_deltas
 
 
 def _routers(model: nn.Module) -> list[TokenChoiceTopKRouter]:
@@ -47,8 +47,12 @@ def update_moe_load_balance(
     counts_LE = torch.stack([r.tokens_per_expert for r in routers])
     if reduce_counts is not None:
         reduce_counts(counts_LE)
-    for router, counts_E in zip(routers, counts_LE):
-        router.update_expert_bias(coeff, counts_E)
+    # Every layer's step at once, each router's own update (`update_expert_bias`) done in a fixed
+    # number of ops for the whole model instead of several per layer (each a launch on a GPU).
+    biases = [r.expert_bias for r in routers]
+    deltas_LE = expert_bias_deltas(counts_LE.to(biases[0].dtype), coeff)
+    torch._foreach_add_(biases, list(deltas_LE.unbind(0)))
+    torch._foreach_zero_([r.tokens_per_expert for r in routers])
 
 
 def moe_aux_loss(

@@ -16,6 +16,19 @@ from torch import nn
 from plait.models.cpu_bf16 import Linear
 
 
+@torch.no_grad()
+def expert_bias_deltas(counts_LE: torch.Tensor, coeff: float) -> torch.Tensor:
+    """The bias step of each row (one MoE layer's token counts per expert): `coeff` towards the
+    mean load, `coeff * sign(mean - count)`, centred (only relative bias matters for top-k, so the
+    bias stays centred). Rows are independent: a model's layers go in one stacked call, a few
+    kernels in all instead of a few per layer. Each row gives the floats of its own [E] vector on
+    the CPU (tested bitwise); on CUDA a row's reduction order may differ from a vector's, which can
+    move the centring mean of the +-coeff steps in its last bit (the counts' mean is of whole
+    numbers: exact in any order)."""
+    delta_LE = coeff * torch.sign(counts_LE.mean(dim=-1, keepdim=True) - counts_LE)
+    return delta_LE - delta_LE.mean(dim=-1, keepdim=True)
+
+
 class TokenChoiceTopKRouter(nn.Module):
     """Scores `[T, E]`, picks `top_k` experts per token, returns their weights and the counts.
 
@@ -145,10 +158,7 @@ class TokenChoiceTopKRouter(nn.Module):
         counter (pass the counts summed over data-parallel ranks); the counter is reset either way.
         """
         counts_E = self.tokens_per_expert if tokens_per_expert_E is None else tokens_per_expert_E
-        counts_E = counts_E.to(self.expert_bias.dtype)
-        delta_E = coeff * torch.sign(counts_E.mean() - counts_E)
-        # Zero-mean update: only relative bias matters for top-k, so keep the bias centred.
-        self.expert_bias.add_(delta_E - delta_E.mean())
+        self.expert_bias.add_(expert_bias_deltas(counts_E[None].to(self.expert_bias.dtype), coeff)[0])
         self.tokens_per_expert.zero_()
 
     def init_weights(self, init_std: float) -> None:

@@ -18,11 +18,17 @@ objects point to point), and a step of m micro-batches would trace m times the w
   repeated m times;
 - memory, point to point, gathers: read from torch's action order for rank 0 with each stage's
   traced numbers (plan/pipeline_order.py), so the micro-batches in flight are counted from the
-  schedule, not from a formula; each transfer is one boundary tensor (stage 0's output, local shape).
+  schedule, not from a formula; each transfer is one boundary tensor (stage 0's output, local shape);
+- ops (host_ops.py): each stage's first micro-batch once, its second (which adds to the gradients
+  the first made) for each of the m - 1 later ones, the gathers per UNSHARD, one op per send or
+  receive of the action order, the step's tail once. Not counted: what only the plan does (the
+  received activation and the output gradient are made, not received) and the schedule's own
+  bookkeeping between actions (splitting the batch into micro-batches, collecting the losses).
 """
 
 import contextlib
 import dataclasses
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -33,6 +39,9 @@ from plait.models.documents import row_segments
 
 from ..validate import pipeline_microbatches
 from .pipeline_order import BUBBLE, StageMemory, p2p_actions, unshard_counts, walk_memory
+
+AGAIN = "again"  # a stage's second micro-batch: adds to the gradients the first one made
+PLAN_ONLY = "plan_only"  # what the plan makes in place of a receive: no op of the run
 
 
 class _SplitOutsideFakeMode:
@@ -91,14 +100,16 @@ def _received(spec: dict, device):
     return buffer.requires_grad_(True)
 
 
-def trace_pipeline_step(config, plan, meshes, device, shims):
+def trace_pipeline_step(config, plan, meshes, device, shims, documents_per_row: int = 1):
     """Rank 0's pipeline step (see the module docstring), inside the caller's fake world and
     FakeTensorMode (plan/trace.py). Returns a StepTrace with its `pipeline` facts."""
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY
 
     from ..pipeline import build_trainer_pipeline
     from .collectives import CollectiveCounter, axis_names
+    from .host_ops import HostOpCounter
     from .trace import (
+        FIRST_OPTIMIZER_STEP,
         MICRO,
         STEP,
         PeakTracker,
@@ -107,6 +118,7 @@ def trace_pipeline_step(config, plan, meshes, device, shims):
         _storage_total,
         build_traced_trainer,
         micro_batch,
+        steady_optimizer_ops,
     )
 
     t, p = config.training, config.parallelism
@@ -121,7 +133,8 @@ def trace_pipeline_step(config, plan, meshes, device, shims):
     # The local batch (accumulation micro-batches merged, as the trainer does), then one micro-batch of it.
     with unset_fake_temporarily():
         tokens, labels, documents = micro_batch(dataclasses.replace(
-            config, training=dataclasses.replace(t, local_batch_size=t.local_batch_size * t.gradient_accumulation_steps)))
+            config, training=dataclasses.replace(t, local_batch_size=t.local_batch_size * t.gradient_accumulation_steps)),
+            documents_per_row=documents_per_row)
     inputs_BS, labels_BS, positions, documents_BS = trainer._local_batch(tokens, labels, documents)
     rows = p.pipeline_microbatch_size
     kwargs = {}
@@ -134,6 +147,8 @@ def trace_pipeline_step(config, plan, meshes, device, shims):
             row_segments(kwargs["document_positions"])
 
     counter = CollectiveCounter(axis_names(meshes))
+    ops = HostOpCounter(STEP)
+    ops.skip.update({FIRST_OPTIMIZER_STEP, PLAN_ONLY})
     tracker = PeakTracker()
     tracker.track_external(pm.inner, optimizer)
     unshards = unshard_counts(schedule)
@@ -159,7 +174,8 @@ def trace_pipeline_step(config, plan, meshes, device, shims):
         if stage.is_first:
             x, inputs = inputs_BS[:rows], ()
         else:  # the receive buffer is torch's, allocated once (counted apart): not the micro-batch's
-            x = _received(boundary, device)
+            with ops.in_phase(PLAN_ONLY):
+                x = _received(boundary, device)
             inputs = (x,)
         before = current()
         tracker._peak_mem = {}
@@ -173,7 +189,8 @@ def trace_pipeline_step(config, plan, meshes, device, shims):
         if stage.is_last:
             logits_bytes = _nbytes(out)
         tracker._peak_mem = {}
-        grads = None if stage.is_last else torch.ones_like(out)
+        with ops.in_phase(PLAN_ONLY):  # received from the next stage in a run
+            grads = None if stage.is_last else torch.ones_like(out)
         with trainer.loss_context():
             torch_stage.backward_maybe_with_nosync(
                 "full", {"stage_output": target, "output_grads": grads, "input_values": list(inputs)})
@@ -184,12 +201,12 @@ def trace_pipeline_step(config, plan, meshes, device, shims):
         return {"saved": saved, "forward": forward, "backward": backward, "grown": current() - before,
                 "forward_where": forward_where, "backward_where": backward_where}
 
-    with tracker, counter:
+    with steady_optimizer_ops(ops, optimizer), tracker, counter, ops:
         counter.phase = STEP
         pipeline.loss.scale = trainer._loss_scale([labels_BS])
         sharded = current()
         for stage in stages:  # torch's UNSHARD (runtime schedules) or the first forward's gather
-            counter.phase = f"unshard:{stage.index}"
+            counter.phase = ops.phase = f"unshard:{stage.index}"
             for module in _fsdp_modules(stage.module):
                 module.unshard()
         counter.phase = MICRO
@@ -201,14 +218,15 @@ def trace_pipeline_step(config, plan, meshes, device, shims):
             # Twice: the first backward creates the stage's gradients, a later one adds to them (the
             # second micro-batch's collectives are not counted: every micro-batch repeats the first's).
             counter.phase, syncs_at, reads_at = MICRO, host_syncs(), shims.reads
+            ops.phase = MICRO
             first = run_micro_batch(stage, torch_stage)
             syncs, reads = syncs + host_syncs() - syncs_at, reads + shims.reads - reads_at
-            counter.phase = "again"
+            counter.phase = ops.phase = AGAIN
             later = run_micro_batch(stage, torch_stage)
             stage_memory[stage.index] = StageMemory(first["saved"], first["forward"], first["backward"],
                                                     first["grown"], later["forward"], later["backward"],
                                                     first["forward_where"], later["backward_where"])
-        counter.phase = STEP
+        counter.phase = ops.phase = STEP
         tracker._peak_mem = {}
         for torch_stage in pipeline.pipeline_stages:
             torch_stage.perform_reduce_grad(1)  # scale_grads = False: the loss carries the scale
@@ -259,6 +277,8 @@ def trace_pipeline_step(config, plan, meshes, device, shims):
     repeat = {MICRO: n_mb, **{f"unshard:{s.index}": unshards.get(s.index, 1) for s in stages}}
     collectives = {f"{axis}/{kind}": row for (axis, kind), row in counter.totals(repeat).items()}
     n_p2p = sum(p2p.values())
+    # Each stage's first micro-batch once, its second for every later one; a send or receive is one op.
+    op_repeat = {MICRO: 1, AGAIN: n_mb - 1, **{f"unshard:{s.index}": unshards.get(s.index, 1) for s in stages}}
     if n_p2p:
         ranks = dist.get_process_group_ranks(meshes.pp.get_group())
         collectives["pp/send_recv"] = {"bytes": n_p2p * boundary_bytes, "count": n_p2p, "ranks": 2,
@@ -280,6 +300,10 @@ def trace_pipeline_step(config, plan, meshes, device, shims):
         micro_batch_tokens=rows * t.seq_len,
         host_syncs=syncs * n_mb,
         host_reads=reads * n_mb,
+        host_ops=ops.ops(op_repeat) + n_p2p,
+        host_kernel_ops=ops.kernel_ops(op_repeat) + n_p2p,
+        host_ops_by_op=dict((ops.by_op(op_repeat) + Counter({"c10d::send": p2p["SEND_F"] + p2p["SEND_B"],
+                                                             "c10d::recv_": p2p["RECV_F"] + p2p["RECV_B"]})).most_common()),
         pipeline={
             "schedule": type(schedule).__name__.removeprefix("Schedule"),
             "stages": [s.index for s in stages],

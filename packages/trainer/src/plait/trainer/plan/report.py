@@ -57,6 +57,11 @@ def build_report(config, plan, traced, device: Device, device_memory_gib: float,
         "usable_gib": limit / GIB,
         "communication": comm,
         "host_syncs": traced.host_syncs,
+        # Ops the step dispatches (each at least one kernel launch on a GPU; plan/host_ops.py), all
+        # and those that launch a kernel (views and allocations left out), and per op.
+        "host_ops_per_step": traced.host_ops,
+        "host_kernel_ops_per_step": traced.host_kernel_ops,
+        "host_ops_by_op": traced.host_ops_by_op,
         "flops_per_rank": flops,
         "compute_seconds": compute_s,
         "communication_seconds": comm_s,
@@ -69,7 +74,9 @@ def build_report(config, plan, traced, device: Device, device_memory_gib: float,
             "when that peak came before the state existed); torch's MemTracker over one traced step (parameters, gradients, optimizer state, activations, "
             "temporaries); no CUDA context, allocator fragmentation or NCCL buffers",
             "dropless expert parallel: balanced routing (each MoE layer's rows split evenly over the ep ranks)",
-            "training.compile is traced eagerly",
+            "training.compile is traced eagerly (host ops: the eager step's)",
+            *(["host ops: the traced micro-batch's times the accumulation steps, plus the step's once (the later "
+               "micro-batches' adds into the held gradients not counted)"] if accumulation > 1 and not pipe else []),
             *(["pipeline: one micro-batch traced per stage, the step composed along torch's action order; "
                f"FLOPs: this rank's {pipe['blocks']} of {pipe['model_blocks']} blocks; compute time includes the "
                f"bubble {pipe['bubble_formula']}"] if pipe else []),
@@ -132,6 +139,8 @@ def format_report(r: dict) -> str:
         f"FLOPs per rank per step {r['flops_per_rank']:.3e}: compute {r['compute_seconds'] * 1e3:.2f} ms, "
         f"communication {r['communication_seconds'] * 1e3:.2f} ms, ideal step {r['ideal_step_seconds'] * 1e3:.2f} ms "
         f"(no overlap {r['serial_step_seconds'] * 1e3:.2f} ms); host syncs per step {r['host_syncs']}",
+        f"host ops per step: {r['host_ops_per_step']} (kernel launches: {r['host_kernel_ops_per_step']}; "
+        "eager, one op = one launch or more)",
         "assumptions: " + "; ".join(r["assumptions"]),
     ]
     return "\n".join(lines)

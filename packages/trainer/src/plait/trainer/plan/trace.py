@@ -6,7 +6,8 @@ The trainer's own path runs: the meshes of the full world under a fake process g
 (the same tensor / context / expert / data parallel calls as plait-train) with every tensor a
 FakeTensor (shapes, dtypes and storages, no memory), then `Trainer.train_step` itself on a
 micro-batch of zeros. Around it, torch's MemTracker records memory by kind and the planner's
-CollectiveCounter records every collective. `trace_step` works the same on a real process group
+CollectiveCounter records every collective, and the HostOpCounter every op the step dispatches
+(host_ops.py: each is a kernel launch on a GPU). `trace_step` works the same on a real process group
 (a measured run), so the two are compared field by field.
 """
 
@@ -22,9 +23,13 @@ from plait.models.documents import row_segments
 
 from .collectives import CollectiveCounter, axis_names
 from .fake_shims import FakeStepShims
+from .host_ops import HostOpCounter
 
 MICRO = "micro_batch"  # collectives of one micro-batch's forward + backward (repeat per micro-batch)
 STEP = "step"  # once per step: the token count, gradient clipping, the optimizer, MoE bookkeeping
+# Ops of a run's first optimizer step, which also creates the optimizer's state: not a step's own
+# (steady_optimizer_ops counts the step after it instead).
+FIRST_OPTIMIZER_STEP = "first_optimizer_step"
 
 
 class _Propagating:
@@ -117,6 +122,9 @@ class StepTrace:
     micro_batch_tokens: int = 0
     host_syncs: int = 0  # expert-parallel dispatch syncs of the step (the dispatchers' own count)
     host_reads: int = 0  # scalars a plan had to assume (balanced routing); 0 for a measured step
+    host_ops: int = 0  # ops the step dispatches, each at least one kernel launch on a GPU (host_ops.py)
+    host_kernel_ops: int = 0  # of them, those that launch a kernel (views and allocations left out)
+    host_ops_by_op: dict = field(default_factory=dict)  # "namespace::op" -> calls per step
     pipeline: dict = field(default_factory=dict)  # pp > 1: schedule, micro-batches in flight, p2p (plan/pipeline.py)
 
 
@@ -156,24 +164,70 @@ def trainer_for_step(config, plan, meshes, pm, optimizer, scheduler, device):
     return trainer
 
 
-def micro_batch(config, seq_len: int | None = None):
-    """One [local_batch_size, seq_len] micro-batch: token 0 everywhere, one document per row.
+def micro_batch(config, seq_len: int | None = None, documents_per_row: int = 1):
+    """One [local_batch_size, seq_len] micro-batch: token 0 everywhere, `documents_per_row` documents
+    of (nearly) equal length per row (the document positions restart at each one's first token).
     Real CPU tensors (make them outside FakeTensorMode)."""
     t = config.training
     seq_len = seq_len or t.seq_len
+    if not 1 <= documents_per_row <= seq_len:
+        raise ValueError(f"documents_per_row must be in 1..{seq_len}, got {documents_per_row}")
     tokens_BS = torch.zeros(t.local_batch_size, seq_len, dtype=torch.long)
-    documents_BS = torch.arange(seq_len, dtype=torch.int32).expand(t.local_batch_size, seq_len).contiguous()
+    starts_S = torch.arange(seq_len) * documents_per_row // seq_len  # each token's document
+    first_S = torch.searchsorted(starts_S, starts_S)  # where that document starts
+    positions_S = (torch.arange(seq_len) - first_S).to(torch.int32)
+    documents_BS = positions_S.expand(t.local_batch_size, seq_len).contiguous()
     # Segments read now, on the host, as the trainer does before a step (a fake step cannot read them).
     row_segments(documents_BS)
     return tokens_BS, tokens_BS.clone(), documents_BS
 
 
+@contextlib.contextmanager
+def steady_optimizer_ops(ops: HostOpCounter, optimizer, phase: str = STEP):
+    """Count the optimizer step as a step after the first runs it. A first step also creates the
+    optimizer's state (AdamW: three tensors per parameter, once per run): its ops go to
+    FIRST_OPTIMIZER_STEP, and on leaving, the optimizer steps once more on the same gradients under
+    `phase` (state and parameters move again: call it on a step whose results are not kept, as a
+    plan or a measured step)."""
+    kept, before = [], []
+
+    def pre(opt, args, kwargs):
+        if opt.state:
+            return  # state made by an earlier step: this one is a steady step already
+        kept.extend((p, p.grad) for group in opt.param_groups for p in group["params"] if p.grad is not None)
+        before.append(ops.phase)
+        ops.phase = FIRST_OPTIMIZER_STEP
+
+    def post(opt, args, kwargs):
+        if before:
+            ops.phase = before.pop()
+
+    handles = [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+    if kept:
+        for p, grad in kept:
+            p.grad = grad
+        # The step itself, without torch's wrapper: its profiler range and hooks ran (and were
+        # counted) around the first step already.
+        step = getattr(type(optimizer).step, "__wrapped__", None)
+        with ops, ops.in_phase(phase):
+            step(optimizer) if step is not None else optimizer.step()
+        for p, _ in kept:
+            p.grad = None
+
+
 def measure_step(trainer, micro_batches, accumulation: int = 1) -> StepTrace:
-    """Run `trainer.train_step(micro_batches)` under the memory tracker and the collective counter
-    (rank-local; every rank of a real run calls it, rank 0's answer is the one compared).
-    `accumulation` > 1 with one micro-batch: the step it stands for runs that many (collectives of
-    the micro-batch repeated, the held gradients added to the peak of the later ones)."""
+    """Run `trainer.train_step(micro_batches)` under the memory tracker, the collective counter and
+    the op counter (rank-local; every rank of a real run calls it, rank 0's answer is the one compared).
+    `accumulation` > 1 with one micro-batch: the step it stands for runs that many (collectives and
+    ops of the micro-batch repeated, the held gradients added to the peak of the later ones)."""
     counter = CollectiveCounter(axis_names(trainer.meshes))
+    ops = HostOpCounter(STEP)
+    ops.skip.add(FIRST_OPTIMIZER_STEP)
     tracker = PeakTracker()
     inner = trainer.pm.inner
     tracker.track_external(inner, trainer.optimizer)
@@ -183,7 +237,7 @@ def measure_step(trainer, micro_batches, accumulation: int = 1) -> StepTrace:
 
     @contextlib.contextmanager
     def micro_batch_phase():
-        counter.phase = MICRO
+        counter.phase = ops.phase = MICRO
         if seen.get("micro_batches"):
             tracker.reset_mod_stats()  # the next micro-batch runs the same modules again
         seen["micro_batches"] = seen.get("micro_batches", 0) + 1
@@ -191,7 +245,7 @@ def measure_step(trainer, micro_batches, accumulation: int = 1) -> StepTrace:
             with original_context():
                 yield
         finally:
-            counter.phase = STEP
+            counter.phase = ops.phase = STEP
 
     def loss_fn(logits_BSV, labels_BS):
         # After the model's forward: what is alive now is kept for backward (the logits included).
@@ -213,8 +267,10 @@ def measure_step(trainer, micro_batches, accumulation: int = 1) -> StepTrace:
     dispatchers = list((trainer.pm.dispatchers or {}).values())
     syncs_before = sum(getattr(d, "host_syncs", 0) for d in dispatchers)
     try:
-        with tracker, counter:
-            trainer.train_step(micro_batches)
+        with steady_optimizer_ops(ops, trainer.optimizer):
+            with tracker, counter, ops:
+                trainer.train_step(micro_batches)
+            hook.remove()  # before the optimizer's second step: the first one's gradients are the step's
     finally:
         hook.remove()
         trainer.loss_context, trainer.loss_fn = original_context, original_loss
@@ -243,6 +299,9 @@ def measure_step(trainer, micro_batches, accumulation: int = 1) -> StepTrace:
         collectives={f"{axis}/{kind}": row for (axis, kind), row in counter.totals({MICRO: accumulation}).items()},
         micro_batch_tokens=t.local_batch_size * t.seq_len,
         host_syncs=(sum(getattr(d, "host_syncs", 0) for d in dispatchers) - syncs_before) * accumulation,
+        host_ops=ops.ops({MICRO: accumulation}),
+        host_kernel_ops=ops.kernel_ops({MICRO: accumulation}),
+        host_ops_by_op=dict(ops.by_op({MICRO: accumulation}).most_common()),
     )
 
 
@@ -284,8 +343,9 @@ def build_traced_trainer(config, plan, meshes, device, shims):
     return trainer_for_step(config, plan, meshes, pm, optimizer, scheduler, device)
 
 
-def trace_step(config, plan) -> StepTrace:
-    """Rank 0's step of the validated `plan` under a fake world of plan.dims.world_size ranks."""
+def trace_step(config, plan, documents_per_row: int = 1) -> StepTrace:
+    """Rank 0's step of the validated `plan` under a fake world of plan.dims.world_size ranks, on
+    rows of `documents_per_row` documents each (what a document mask sees; micro_batch)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from plait.mesh import build_meshes
@@ -298,8 +358,8 @@ def trace_step(config, plan) -> StepTrace:
             from .pipeline import trace_pipeline_step
 
             with FakeTensorMode(allow_non_fake_inputs=True), shims:
-                return trace_pipeline_step(config, plan, meshes, device, shims)
-        batch = micro_batch(config)
+                return trace_pipeline_step(config, plan, meshes, device, shims, documents_per_row)
+        batch = micro_batch(config, documents_per_row=documents_per_row)
         with FakeTensorMode(allow_non_fake_inputs=True), shims:
             trainer = build_traced_trainer(config, plan, meshes, device, shims)
             traced = measure_step(trainer, [batch], config.training.gradient_accumulation_steps)
