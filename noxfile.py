@@ -56,6 +56,14 @@ def _install_shared_torch(session: nox.Session) -> None:
         session.install("--target", str(SHARED_TORCH), "--upgrade", TORCH)
     site = session.run("python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", silent=True)
     (pathlib.Path(site.strip()) / "_plait_shared_torch.pth").write_text(f"{SHARED_TORCH}\n")
+    # torch's console scripts went to SHARED_TORCH/bin with the first venv's python in their
+    # shebang; each venv gets its own `torchrun` (the package READMEs launch with it), whose ranks
+    # then run this venv's python and see its packages.
+    torchrun = pathlib.Path(session.bin) / "torchrun"
+    if not torchrun.exists():
+        torchrun.write_text(f"#!{pathlib.Path(session.bin) / 'python'}\nimport sys\n"
+                            "from torch.distributed.run import main\nsys.exit(main())\n")
+        torchrun.chmod(0o755)
 
 
 def _pytest(session: nox.Session, name: str, paths: list[str], env: dict | None = None) -> None:
@@ -134,9 +142,31 @@ def summary(session: nox.Session) -> None:
 
 @nox.session
 def train(session: nox.Session) -> None:
-    """The default run: `plait-train` with the shipped debug config (extra args go to plait-train)."""
-    _install(session, ALL, extras="")
+    """The default run: `plait-train` with the shipped debug config (extra args go to plait-train).
+    The packages are installed again only when this checkout's changed since the last `nox -s train`."""
+    stamp = pathlib.Path(session.virtualenv.location) / ".plait-sources"
+    sources = _sources_digest()
+    if not stamp.is_file() or stamp.read_text() != sources:
+        _install(session, ALL, extras="")
+        stamp.write_text(sources)
+    else:
+        session.log("plait packages unchanged since the last install: not reinstalled")
     session.run("plait-train", *session.posargs)
+    session.log(f"plait-train lives in {session.bin}: run it directly with {pathlib.Path(session.bin) / 'plait-train'} "
+                "(--help lists every setting)")
+
+
+def _sources_digest() -> str:
+    """A digest of every package's sources and metadata: what an install would take."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in sorted((ROOT / "packages").glob("*/**/*")):
+        skip = "__pycache__" in path.parts or any(part.endswith(".egg-info") for part in path.parts)
+        if path.is_file() and not skip:
+            digest.update(str(path.relative_to(ROOT)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 @nox.session

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from plait.trainer.checkpoint import hf_export, hf_output, store
-from plait.trainer.testing import cli_env, run_cli
+from plait.trainer.testing import cli_env, run_cli, start_two_ranks
 
 # fmt: off
 TINY = [
@@ -473,16 +473,9 @@ def test_a_rank_killed_by_sigkill_is_named_and_exits_74(tmp_path):
     from plait.trainer.cli import EXIT_INFRA
 
     dump = tmp_path / "killed"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "plait.trainer", *TINY, "--nproc-per-node", "2", "--training.local_batch_size", "1",
-         "--training.steps", "100000", "--job.dump_folder", str(dump)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(),
-    )  # fmt: skip
+    proc = start_two_ranks(dump, *TINY, until="checkpoints/step-000001")
     try:
         deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and not (dump / "checkpoints" / "step-000001").is_dir():
-            assert proc.poll() is None, proc.communicate()[1][-2000:]
-            time.sleep(0.5)
         ranks = {}
         while time.monotonic() < deadline and len(ranks) < 2:
             ranks = _rank_pids(proc.pid)

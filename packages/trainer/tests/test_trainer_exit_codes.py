@@ -4,14 +4,12 @@ Real `plait-train` processes; faults injected at a step with PLAIT_TEST_FAULT (t
 raises there what the fault raises."""
 
 import signal
-import subprocess
-import sys
 import time
 
 import torch
 
 from plait.trainer import exit_codes
-from plait.trainer.testing import cli_env, run_cli
+from plait.trainer.testing import run_cli, start_two_ranks
 from plait.trainer.train import exit_code_of, infrastructure_fault
 
 # fmt: off
@@ -72,16 +70,8 @@ def test_a_configuration_error_replaces_a_stale_status(tmp_path):
 
 def test_ctrl_c_under_the_launcher_exits_130(tmp_path):
     dump = tmp_path / "ctrl-c"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "plait.trainer", *TINY, "--nproc-per-node", "2", "--training.local_batch_size", "1",
-         "--training.steps", "100000", "--job.dump_folder", str(dump)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(),
-    )  # fmt: skip
+    proc = start_two_ranks(dump, *TINY, until="metrics.jsonl")
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and not (dump / "metrics.jsonl").is_file():
-            assert proc.poll() is None, proc.communicate()[1][-2000:]
-            time.sleep(0.5)
         time.sleep(1.0)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=180)

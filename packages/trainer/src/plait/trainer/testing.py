@@ -31,6 +31,25 @@ def run_cli(
     return result
 
 
+def start_two_ranks(dump: Path, *args: str, until: str, timeout: float = 240) -> subprocess.Popen:
+    """`plait-train --nproc-per-node 2` training (for ever) in the background, returned once
+    `<dump>/<until>` exists (a checkpoint folder, metrics.jsonl): the moment a test acts on it."""
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "plait.trainer", *args, "--nproc-per-node", "2", "--training.local_batch_size", "1",
+         "--training.steps", "100000", "--job.dump_folder", str(dump)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(),
+    )  # fmt: skip
+    deadline = time.monotonic() + timeout
+    while not (Path(dump) / until).exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"plait-train never wrote {until}:\n{proc.communicate()[1][-2000:]}")
+        time.sleep(0.5)
+    return proc
+
+
 def parity_args(steps: int = 4, seq_len: int = 64, lr: float = 3e-3) -> list[str]:
     """CLI arguments for runs whose losses are compared step for step across layouts: fp32,
     deterministic, a short warmup, one metrics row per step at the end."""

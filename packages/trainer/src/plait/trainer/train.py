@@ -582,6 +582,10 @@ class Trainer:
                 f"{last_loss:.4f}; metrics in {os.path.join(c.job.dump_folder, 'metrics.jsonl')}",
                 flush=True,
             )
+            if not c.checkpoint.enable:
+                print("plait-train: no checkpoint was saved (checkpoint.enable = false): this run cannot be resumed "
+                      "or exported; pass --checkpoint.enable true (and --checkpoint.interval N) to save, and run "
+                      "the same command again to resume.", flush=True)
         return finished
 
 

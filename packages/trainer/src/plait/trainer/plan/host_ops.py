@@ -72,9 +72,10 @@ def _is_subclass(t) -> bool:
     return t.__name__ not in ("FakeTensor", "FunctionalTensor")
 
 
-class _Propagating:
+class Propagating:
     """Entered by DTensor around its sharding propagation (ShardingPropagator._fake_mode_lock, the
-    hook torch keeps for a lock): ops on placeholder tensors run inside, which no GPU sees."""
+    hook torch keeps for a lock): ops on placeholder tensors run inside, which no GPU sees and
+    which are not memory (the planner's memory tracker skips them too). `depth` > 0 inside."""
 
     def __init__(self, inner):
         self.inner, self.depth = inner, 0
@@ -112,7 +113,7 @@ class HostOpCounter(TorchDispatchMode):
     def __enter__(self):
         propagator = _sharding_propagator()
         if self._entered == 0 and propagator is not None:
-            self._hook = _Propagating(propagator._fake_mode_lock)
+            self._hook = Propagating(propagator._fake_mode_lock)
             propagator._fake_mode_lock = self._hook
         self._entered += 1
         return super().__enter__()

@@ -23,29 +23,13 @@ from plait.models.documents import row_segments
 
 from .collectives import CollectiveCounter, axis_names
 from .fake_shims import FakeStepShims
-from .host_ops import HostOpCounter
+from .host_ops import HostOpCounter, Propagating
 
 MICRO = "micro_batch"  # collectives of one micro-batch's forward + backward (repeat per micro-batch)
 STEP = "step"  # once per step: the token count, gradient clipping, the optimizer, MoE bookkeeping
 # Ops of a run's first optimizer step, which also creates the optimizer's state: not a step's own
 # (steady_optimizer_ops counts the step after it instead).
 FIRST_OPTIMIZER_STEP = "first_optimizer_step"
-
-
-class _Propagating:
-    """Entered by DTensor around its sharding propagation (as `ShardingPropagator._fake_mode_lock`,
-    the hook torch keeps for a lock): the placeholder tensors it makes there are not memory."""
-
-    def __init__(self, inner):
-        self.inner, self.depth = inner, 0
-
-    def __enter__(self):
-        self.inner.__enter__()
-        self.depth += 1
-
-    def __exit__(self, *exc):
-        self.depth -= 1
-        return self.inner.__exit__(*exc)
 
 
 class PeakTracker(MemTracker):
@@ -64,7 +48,7 @@ class PeakTracker(MemTracker):
         from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
         if self._propagating is None:
-            self._propagating = _Propagating(ShardingPropagator._fake_mode_lock)
+            self._propagating = Propagating(ShardingPropagator._fake_mode_lock)
             ShardingPropagator._fake_mode_lock = self._propagating
         return super().__enter__()
 
