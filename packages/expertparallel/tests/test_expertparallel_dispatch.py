@@ -270,3 +270,12 @@ def test_tp_row_shares_cover_the_rows_once_and_count_experts_on_the_device():
             assert got_E.tolist() == torch.bincount(expert_N[share.start : share.stop], minlength=5).tolist()
             total += restore_share(take_share(x_ND, share), share)
         assert torch.equal(total, x_ND)  # the shares' padded outputs sum to every row exactly once
+
+
+def test_capacity_never_exceeds_the_rows_a_rank_routes():
+    """A huge capacity factor allocates no more than every routed row per expert (issue 40 fault
+    probe 5: factor 1e6 asked for 393 GB); alignment still rounds up."""
+    assert capacity_per_expert(1024, 8, 1.25) == 160
+    assert capacity_per_expert(1024, 8, 1e6) == 1024
+    assert capacity_per_expert(1000, 8, 1e6, alignment=16) == 1008
+    assert capacity_per_expert(0, 8, 2.0) == 1

@@ -27,9 +27,11 @@ from .dispatch import _CombineInFlight
 
 
 def capacity_per_expert(num_rows: int, num_experts: int, factor: float, alignment: int = 1) -> int:
-    """Rows each (source rank, expert) pair may send: factor x the even share, at least 1, rounded
-    up to `alignment` so every expert group (ep x capacity rows) starts aligned for grouped_mm."""
-    capacity = max(1, math.ceil(factor * num_rows / num_experts))
+    """Rows each (source rank, expert) pair may send: factor x the even share, at least 1, at most
+    every row this rank routes (one expert can never receive more: a larger factor would only
+    allocate padding, 393 GB at factor 1e6 for DeepSeek-V3 debug), rounded up to `alignment` so
+    every expert group (ep x capacity rows) starts aligned for grouped_mm."""
+    capacity = min(max(1, math.ceil(factor * num_rows / num_experts)), max(1, num_rows))
     return -(-capacity // alignment) * alignment
 
 
