@@ -80,7 +80,9 @@ def test_prune_keeps_the_newest_complete(tmp_path):
 
 def test_metrics_on_resume_keep_earlier_steps_and_drop_later_ones(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    path.write_text("".join(json.dumps({"step": s, "loss": s}) + "\n" for s in range(1, 13)) + '{"step": 1')
+    rows = [json.dumps({"step": s, "loss": s}) + "\n" for s in range(1, 13)]
+    rows.insert(3, '{"step": 3, "note": "caf\xe9"}\n')  # a damaged line (not UTF-8) must not block the resume
+    path.write_bytes("".join(rows[:3]).encode() + rows[3].encode("latin-1") + "".join(rows[4:]).encode() + b'{"step": 1')
     with _open_jsonl(str(path), start_step=10) as f:
         f.write(json.dumps({"step": 11, "loss": 0}) + "\n")
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == list(range(1, 12))

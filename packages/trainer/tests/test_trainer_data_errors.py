@@ -46,6 +46,15 @@ def test_bad_rows_name_the_row(tmp_path, name):
     assert f"{row} {path}" in str(e.value) and problem in str(e.value)
 
 
+def test_a_corpus_of_empty_texts_is_refused(tmp_path):
+    """Every text empty: not a run on <|begin_of_text|><|end_of_text|> pairs (fault probe 17)."""
+    path = tmp_path / "blank.jsonl"
+    path.write_text('{"text": ""}\n' * 5)
+    loader = build_dataloader("json", str(path), build_tokenizer(None), 8, 2, 1, 0, 1, seed=0, split="validation")
+    with pytest.raises(DataError, match=r"every text of its first \d+ documents is empty"):
+        next(loader)
+
+
 def run_cli(*args):
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "plait.trainer", "--training.seq_len", "32",

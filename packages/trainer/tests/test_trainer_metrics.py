@@ -76,3 +76,24 @@ def test_ep_rank_imbalance_sums_each_ranks_experts():
     # Layer 0: experts uneven (30 / 20 = 1.5) but the ranks equal; layer 1: all on one rank.
     assert max_over_mean(rows_LR).tolist() == [1.0, 2.0]
     assert max_over_mean(counts_LE).tolist() == [1.5, 2.0]
+
+
+def test_a_dump_folder_deleted_mid_run_is_one_line(tmp_path):
+    """TensorBoard's writer into a deleted folder: an InfrastructureFault naming the folder (exit 74,
+    one line), not its traceback; close() after it does not raise (issue 40 fault probe 13)."""
+    import shutil
+
+    import pytest
+
+    from plait.trainer.exit_codes import InfrastructureFault
+
+    dump = tmp_path / "run"
+    logger = _logger(dump)
+    logger.record(1, torch.tensor(2.0), torch.tensor(0.5), 1e-3, 0.0)
+    logger.flush()
+    shutil.rmtree(dump)
+    logger.record(2, torch.tensor(1.0), torch.tensor(0.5), 1e-3, 0.0)
+    with pytest.raises(InfrastructureFault, match=f"cannot write under {dump}.*deleted"):
+        logger.flush()
+        logger.log_scalars(2, {"val_loss": 1.0})
+    logger.close()

@@ -7,6 +7,7 @@ scalars and the tqdm bar. Throughput, MFU and memory are window averages (a step
 time is not known without a sync); data-loading time is per step (host time).
 """
 
+import contextlib
 import json
 import math
 import os
@@ -21,6 +22,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from plait.models.cpu_bf16 import cpu_multiplies_in_fp32
+
+from .exit_codes import InfrastructureFault
 
 # Dense bf16 peak TFLOP/s per GPU (no sparsity).
 PEAK_TFLOPS_BF16 = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "B200": 2250.0}
@@ -68,13 +71,14 @@ def _open_jsonl(path: str, start_step: int):
     it and drops later ones (written after that checkpoint by the run that died), then appends."""
     kept = []
     if start_step > 0 and os.path.isfile(path):
-        with open(path) as f:
-            for line in f:
+        with open(path, "rb") as f:  # bytes: a damaged line (not UTF-8) must not block the resume
+            for raw in f:
                 try:
+                    line = raw.decode()
                     if json.loads(line)["step"] <= start_step:
                         kept.append(line if line.endswith("\n") else line + "\n")
                 except (ValueError, KeyError, TypeError):
-                    continue  # a line cut short by a kill
+                    continue  # a line cut short by a kill, or damaged (UnicodeDecodeError is a ValueError)
     jsonl = open(path, "w")
     jsonl.writelines(kept)
     jsonl.flush()
@@ -112,6 +116,7 @@ class MetricsLogger:
         start_step: int = 0,
     ):
         self.rank = rank
+        self.dump_folder = dump_folder
         self.world_size = world_size
         self.device = device
         self.loss_mesh = loss_mesh
@@ -214,16 +219,17 @@ class MetricsLogger:
         return values, _extras_to_host(w.extras, losses.device)
 
     def _write(self, rows: list[dict]) -> None:
-        for row in rows:
-            self.jsonl.write(json.dumps(row) + "\n")
-            if self.tb is not None:
-                for key, value in row.items():
-                    if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                        self.tb.add_scalar(key, value, row["step"])
-                    elif isinstance(value, list):  # per layer: one curve each
-                        for i, v in enumerate(value):
-                            self.tb.add_scalar(f"{key}/{i}", v, row["step"])
-        self.jsonl.flush()
+        with self._writing():
+            for row in rows:
+                self.jsonl.write(json.dumps(row) + "\n")
+                if self.tb is not None:
+                    for key, value in row.items():
+                        if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                            self.tb.add_scalar(key, value, row["step"])
+                        elif isinstance(value, list):  # per layer: one curve each
+                            for i, v in enumerate(value):
+                                self.tb.add_scalar(f"{key}/{i}", v, row["step"])
+            self.jsonl.flush()
         last = rows[-1]
         line = (
             f"step {last['step']:>6}  loss {last['loss']:8.4f}  grad_norm {last['grad_norm']:7.3f}  "
@@ -249,14 +255,29 @@ class MetricsLogger:
         text = "  ".join(f"{k} {v:.4f}" for k, v in values.items())
         (self.bar.write if self.bar is not None else print)(f"step {step:>6}  {text}")
         if self.tb is not None:
-            for key, value in values.items():
-                self.tb.add_scalar(key, value, step)
+            with self._writing():
+                for key, value in values.items():
+                    self.tb.add_scalar(key, value, step)
+
+    @contextlib.contextmanager
+    def _writing(self):
+        """Metrics files that cannot be written (the dump folder deleted while the run runs, a full
+        disk): one line naming the folder and the cause (exit 74), not TensorBoard's traceback."""
+        try:
+            yield
+        except OSError as e:
+            self.tb = None  # its writer is broken; close() must not raise again
+            raise InfrastructureFault(
+                f"metrics: cannot write under {self.dump_folder}: {e.strerror or e} (was job.dump_folder deleted "
+                "or its disk filled while the run was running?)"
+            ) from None
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
         if self.tb is not None:
-            self.tb.close()
+            with contextlib.suppress(OSError):  # a broken writer was reported where it broke
+                self.tb.close()
         if self.jsonl is not None:
             self.jsonl.close()
 

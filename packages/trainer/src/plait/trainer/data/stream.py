@@ -25,6 +25,10 @@ from .errors import DataError
 from .exchange import SoloExchange
 
 
+# Documents of a stream (no known size) read without a single non-empty text before giving up.
+EMPTY_STREAM_LIMIT = 10_000
+
+
 class SharedTokenStream:
     def __init__(self, documents, exchange):
         self.documents, self.exchange = documents, exchange
@@ -33,6 +37,7 @@ class SharedTokenStream:
         self.encoded_documents = 0  # documents this rank tokenised (for tests and benchmarks)
         self.encoded_tokens = 0
         self._tokens_seen = self._docs_seen = 0  # global, for sizing the next round
+        self._texts_seen = 0  # documents with a token between their <|begin_of_text|> and <|end_of_text|>
         self.seek(0, 0, 0, None)
 
     def seek(self, epoch: int, doc: int, offset: int, hf_state: dict | None = None) -> None:
@@ -151,8 +156,20 @@ class SharedTokenStream:
             taken[owner] += 1
             self._tokens_seen += d.length
             self._resolved_tokens += d.length
+            self._texts_seen += d.length > 2
         self._docs_seen += count
         self._resolved = target
+        self._refuse_empty_texts()
+
+    def _refuse_empty_texts(self) -> None:
+        """A corpus whose every text is empty would train on <|begin_of_text|><|end_of_text|> pairs
+        alone: after a whole epoch of them (or 10,000 of a stream) stop, on every rank at once (all
+        know every length)."""
+        limit = getattr(self.documents, "num_documents", None) or EMPTY_STREAM_LIMIT
+        if self._texts_seen == 0 and self._docs_seen >= limit:
+            name = getattr(self.documents, "name", "the dataset")
+            raise DataError(f"{name}: every text of its first {self._docs_seen} documents is empty: it would train "
+                            "on <|begin_of_text|><|end_of_text|> pairs alone; check data.text_field or the dataset")
 
     def _spans(self, total: int) -> list[tuple[int, Document, int, int]]:
         """(index, document, start, end) of the resolved documents overlapping [0, total),
