@@ -85,6 +85,24 @@ def test_wrong_shape_names_tensor_and_file(tmp_path):
     assert "model.layers.0.self_attn.o_proj.weight in model.safetensors (shape (64, 32)) does not fit" in message
 
 
+def test_wrong_shape_in_a_transformed_tensor_is_one_line(tmp_path):
+    """q_proj goes through the RoPE permutation (read whole): a wrong shape there is one line
+    naming it too, not the permutation's traceback (issue 40 fault probe 7)."""
+    def change(hf):
+        hf["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(50, 64)  # breaks the permutation's view
+    message = _error(tmp_path, change)
+    assert "model.layers.0.self_attn.q_proj.weight in model.safetensors (shape (50, 64)) does not fit" in message
+
+
+def test_layers_past_the_config_are_refused_not_skipped(tmp_path):
+    """Tensors of a layer config.json does not describe: refused in one line (they were skipped
+    without a word; issue 40 fault probe 14)."""
+    def change(hf):
+        hf["model.layers.3.input_layernorm.weight"] = torch.ones(64)
+    message = _error(tmp_path, change)
+    assert "holds tensors of layer 3, past its config.json's num_hidden_layers = 1" in message, message
+
+
 def test_index_naming_a_tensor_its_file_lacks_or_a_missing_file(tmp_path):
     # The index says model.norm.weight is in the first file; it is in the second.
     norm = "model.norm.weight"

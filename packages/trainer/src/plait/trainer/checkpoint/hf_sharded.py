@@ -145,6 +145,34 @@ def _copy_slice(local: dict, name: str, hf_name: str, file: Path, path: Path) ->
         shard.copy_(part)
 
 
+_EXPECTED_SHAPES: dict = {}
+_FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+
+
+def _expected_hf_shapes(spec, args) -> dict[str, tuple]:
+    """The HF name -> shape the adapter writes for this model: what a folder must hold (traced on
+    the meta device, so free)."""
+    key = (spec.model_cls, repr(args))
+    if key not in _EXPECTED_SHAPES:
+        with torch.device("meta"):
+            model = spec.model_cls(args)
+        _EXPECTED_SHAPES[key] = {k: tuple(v.shape) for k, v in spec.hf_adapter.to_hf(model.state_dict(), args).items()}
+    return _EXPECTED_SHAPES[key]
+
+
+def _check_hf_shapes(tensors: dict[str, torch.Tensor], files: dict[str, Path], path: Path, spec, args) -> None:
+    """Whole tensors the adapter transforms (RoPE rows permuted, experts stacked) in the shape the
+    model's HF layout has: one line naming the tensor and its file, not the transform's traceback."""
+    expected = _expected_hf_shapes(spec, args)
+    for name, tensor in tensors.items():
+        want = expected.get(name)
+        if want is not None and tuple(tensor.shape) != want and tensor.dtype not in _FP8:
+            raise store.CheckpointError(
+                f"checkpoint.initial_load_path = {str(path)!r}: {name} in {files[name].name} (shape "
+                f"{tuple(tensor.shape)}) does not fit the model, which has {want} there"
+            )
+
+
 def local_slice(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """The part of `full` that `target` (a DTensor's local shard, or a plain tensor) holds."""
     return full[_local_index(full.shape, target)]
@@ -163,9 +191,22 @@ def load_hf_sharded(model: torch.nn.Module, path: str | Path, model_name: str, f
     for name in files:
         groups.setdefault(_group(name), []).append(name)
     filled = set()
+    # Layers past the model's depth are DeepSeek's multi-token-prediction module (its config counts
+    # them: num_nextn_predict_layers); any other is a file that config.json does not describe.
+    depth = getattr(args, "n_layers", None)
+    if depth is not None:
+        extra = int(config.get("num_nextn_predict_layers", 0) or 0)
+        stray = [layer for layer in groups if layer >= depth + extra and layer >= 0]
+        if stray:
+            raise store.CheckpointError(
+                f"checkpoint.initial_load_path = {str(path)!r} holds tensors of layer {min(stray)}"
+                f"{f'-{max(stray)}' if len(stray) > 1 else ''}, past its config.json's num_hidden_layers = "
+                f"{config.get('num_hidden_layers')} ({extra} multi-token-prediction layers): its files and config.json "
+                "disagree (a folder of another model, or a truncated config)"
+            )
     for layer in sorted(groups):
         if layer >= getattr(args, "n_layers", float("inf")):
-            continue  # e.g. DeepSeek's multi-token-prediction layers: not part of the model
+            continue  # DeepSeek's multi-token-prediction layers: not part of the model
         # Tensors the adapter only renames are read as this rank's slices alone; the others
         # (permuted rows, stacked experts, FP8) whole, one layer at a time.
         renamed = {n: _renamed_to(spec.hf_adapter, args, n, files) for n in groups[layer]}
@@ -176,8 +217,10 @@ def load_hf_sharded(model: torch.nn.Module, path: str | Path, model_name: str, f
         rest = [n for n, targets in renamed.items() if not targets]
         if not rest:
             continue
+        whole = _read(rest, files, path)
+        _check_hf_shapes(whole, files, path, spec, args)
         try:
-            converted = spec.hf_adapter.from_hf(dequantize_if_fp8(_read(rest, files, path), config), args)
+            converted = spec.hf_adapter.from_hf(dequantize_if_fp8(whole, config), args)
         except (KeyError, ValueError) as e:
             raise store.CheckpointError(f"checkpoint.initial_load_path = {str(path)!r}: {str(e).splitlines()[0]}") from None
         for name, full in converted.items():

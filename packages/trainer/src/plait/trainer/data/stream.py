@@ -24,7 +24,6 @@ from .documents import Document
 from .errors import DataError
 from .exchange import SoloExchange
 
-
 # Documents of a stream (no known size) read without a single non-empty text before giving up.
 EMPTY_STREAM_LIMIT = 10_000
 
