@@ -118,3 +118,16 @@ def test_blocks_in_a_module_list_are_refused():
     info = {"blocks": ["layers.0", "layers.1"], "edge_units": []}
     with pytest.raises(TypeError, match="nn.ModuleDict"):
         split_stages(model, info, 2, 0)
+
+
+def test_a_block_the_model_lacks_is_named():
+    """A blocks (or edge_units) entry the model lacks: one line naming it (it passed validation,
+    then split_stages raised AttributeError; issue 40 fault probe 15)."""
+    from plait.pipelineparallel.config import PipelineConfigError
+
+    model = Tiny(4)
+    info = model.parallel_info()
+    with pytest.raises(PipelineConfigError, match=r"'blocks'\] names 'layer.3', which is not a submodule of Tiny"):
+        split_stages(model, dict(info, blocks=["layers.0", "layers.1", "layers.2", "layer.3"]), 2, 0)
+    with pytest.raises(PipelineConfigError, match=r"'edge_units'\] names 'head'"):
+        split_stages(model, dict(info, edge_units=[["tok_embeddings"], ["norm", "head"]]), 2, 0)

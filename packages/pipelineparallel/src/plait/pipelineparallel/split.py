@@ -90,6 +90,7 @@ def split_stages(
     """
     num_stages = pp_degree * virtual_stages
     blocks = list(info["blocks"])
+    _check_paths(model, blocks, info.get("edge_units", []))
     per_stage = stage_blocks(blocks, stage_layer_counts(len(blocks), num_stages, layers_per_stage))
     edges = [list(group) for group in info.get("edge_units", [])]
     first_edges, last_edges = (edges[:1], edges[-1:]) if len(edges) >= 2 else (edges, [])
@@ -107,6 +108,21 @@ def split_stages(
                 _set_none(module, path)
         stages.append(Stage(index, num_stages, module, per_stage[index], held_edges))
     return stages
+
+
+def _check_paths(model: nn.Module, blocks: list[str], edge_units) -> None:
+    """Every block and edge-unit path names a submodule of `model`: one line naming the first that
+    does not (a typo in a plan of one's own model), before any stage is cut."""
+    names = dict(model.named_modules())
+    for kind, paths in (("blocks", blocks), ("edge_units", [p for group in edge_units for p in group])):
+        for path in paths:
+            if path not in names:
+                near = [n for n in names if n.rsplit(".", 1)[-1] == path.rsplit(".", 1)[-1]][:3]
+                hint = f" (modules with that name: {', '.join(near)})" if near else ""
+                raise PipelineConfigError(
+                    f"parallel_info()[{kind!r}] names {path!r}, which is not a submodule of "
+                    f"{type(model).__name__}{hint}: give the module paths of model.named_modules()."
+                )
 
 
 def _parent(module: nn.Module, path: str) -> tuple[nn.Module, str]:
