@@ -175,3 +175,24 @@ def test_run_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path):
     assert (tmp_path / "exit_status").read_text() == "running\n"  # what a SIGKILLed run leaves
     lock.release(75)
     assert not lock.path.exists() and (tmp_path / "exit_status").read_text() == "75\n"
+
+
+def test_a_failed_write_names_its_cause_and_rank():
+    """DCP's CheckpointException of a 2-rank save names the ranks only ("CheckpointException
+    ranks:dict_keys([1])"): the line must say why, and where (issue 40 fault probe 8)."""
+    import errno
+
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    def failed(exc):
+        try:
+            raise exc
+        except Exception as e:
+            return CheckpointException("CheckpointException ranks:dict_keys([1])", {1: _wrap_exception(e)})
+
+    full = failed(OSError(errno.ENOSPC, "No space left on device", "/ckpt/__1_0.distcp"))
+    assert store.cause_of(full) == "No space left on device (/ckpt/__1_0.distcp) on rank 1"
+    zip_writer = failed(RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed "
+                                     "writing file data/0: file write failed"))
+    assert store.cause_of(zip_writer).startswith("RuntimeError: [enforce fail")
+    assert store.cause_of(zip_writer).endswith("file write failed (the disk full?) on rank 1")

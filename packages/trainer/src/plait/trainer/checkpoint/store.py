@@ -57,23 +57,33 @@ class CheckpointWriteError(InfrastructureFault):
 
 
 def cause_of(error: BaseException) -> str:
-    """The root cause of a failed write, in words: the first OSError found through DCP's
-    per-rank failures and the exception chain ("No space left on device"), else the first line."""
-    seen, stack = set(), [error]
+    """The root cause of a failed write, in words: the first OSError found through DCP's per-rank
+    failures and the exception chain ("No space left on device (path) on rank 1"), else the first
+    exception under DCP's wrapper that is not one ("RuntimeError: ... file write failed on rank 1":
+    torch's zip writer on a full disk), else the first line."""
+    seen, stack = set(), [(error, None)]
+    fallback = None
     while stack:
-        e = stack.pop(0)
+        e, rank = stack.pop(0)
         if isinstance(e, tuple):  # DCP's WrappedException: (exception, frames)
-            stack.extend(x for x in e if isinstance(x, BaseException))
+            stack.extend((x, rank) for x in e if isinstance(x, BaseException))
             continue
         if not isinstance(e, BaseException) or id(e) in seen:
             continue
         seen.add(id(e))
+        where = f" on rank {rank}" if rank is not None else ""
         if isinstance(e, OSError) and e.strerror:
-            return e.strerror + (f" ({e.filename})" if e.filename else "")
+            return e.strerror + (f" ({e.filename})" if e.filename else "") + where
         failures = getattr(e, "failures", None)  # CheckpointException: {rank: WrappedException}
         if isinstance(failures, dict):
-            stack.extend(failures.values())
-        stack.extend([getattr(e, "exc", None), e.__cause__, e.__context__])
+            stack.extend((failure, r) for r, failure in failures.items())
+        elif fallback is None and e is not error and str(e).strip():
+            text = str(e).strip().splitlines()[0]
+            hint = " (the disk full?)" if "write failed" in text else ""
+            fallback = f"{type(e).__name__}: {text[:300]}{hint}{where}"
+        stack.extend((x, rank) for x in (getattr(e, "exc", None), e.__cause__, e.__context__))
+    if fallback:
+        return fallback
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
 
