@@ -569,3 +569,27 @@ def test_a_background_save_failing_on_one_rank_is_seen_by_every_rank_at_the_same
     assert step0 == step1 and step0 is not None and step0 > 5, (step0, step1)
     assert line0 == line1 and "could not save step 5" in line0 and "rank 1" in line0 and "No space" in line0, line0
     assert not (tmp_path / "checkpoints" / "step-000005").exists()
+
+
+def test_a_full_disk_during_the_hf_export_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    """issue 40 fault probe 6: a traceback, exit 1 and a .tmp folder left before."""
+    import dataclasses
+    import errno
+
+    import torch
+
+    import plait.models.hf.io as hf_io
+    from plait.models import get_model_spec
+    from plait.trainer.checkpoint import hf_sharded
+
+    spec = get_model_spec("llama3")
+    args = dataclasses.replace(spec.flavors["debugmodel"], n_layers=1, dim=64, n_heads=4, n_kv_heads=4)
+    model = spec.model_cls(args)
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(hf_io, "save_file_like_open", full)
+    with pytest.raises(store.CheckpointWriteError, match="could not write the Hugging Face export.*No space left"):
+        hf_sharded.export_hf_sharded(model, tmp_path / "hf-step-2", "llama3", "debugmodel", torch.float32, args)
+    assert list(tmp_path.iterdir()) == []

@@ -287,28 +287,42 @@ def export_hf_sharded(model: torch.nn.Module, output: str | Path, model_name: st
         del full
     file = f"model-{first_file + peer + 1:05d}-of-{files:05d}.safetensors"
     _barrier()  # rank 0 has made the folder
-    if mine:
-        save_file_like_open(_unshared(mine), tmp / file, metadata={"format": "pt"})  # 0644, not 0600
-    listing = {name: (file, t.numel() * t.element_size()) for name, t in mine.items()}
+    problem = None
+    try:  # a write that fails on one rank (disk full) fails every rank with one line, none waits
+        if mine:
+            save_file_like_open(_unshared(mine), tmp / file, metadata={"format": "pt"})  # 0644, not 0600
+    except (OSError, RuntimeError) as e:
+        problem = f"rank {rank}: {store.cause_of(e)}"
+    listing = ({name: (file, t.numel() * t.element_size()) for name, t in mine.items()}, problem)
     listings = [listing]
     if dist.is_initialized():
         listings = [None] * world
         dist.all_gather_object(listings, listing)
+    failed = next((p for _, p in listings if p), None)
+    if failed:
+        if rank == 0:
+            hf_output.discard(tmp)  # ours (marked): nothing half-written is left
+        raise store.CheckpointWriteError(f"{where}: could not write the Hugging Face export {output}: {failed}; "
+                                         "nothing was published")
+    listings = [lst for lst, _ in listings]
     if rank == 0:
         weight_map = {n: f for lst in listings for n, (f, _) in lst.items()}
         total = sum(size for lst in listings for _, size in lst.values())
-        (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total},
-                                                  "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
         try:
+            (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total},
+                                                      "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
             hf_export.publish_hf_folder(tmp, output, spec, args, dtype, where)
             verdict = ("ok", "")
         except (store.CheckpointError, OSError) as e:
             hf_output.discard(tmp)
-            verdict = ("error", f"{where}: cannot write {output}: {e}")
+            full_disk = isinstance(e, OSError) and not isinstance(e, store.CheckpointError)
+            verdict = ("write" if full_disk else "error", f"{where}: cannot write {output}: {store.cause_of(e)}")
     if dist.is_initialized():  # every rank ends with rank 0's verdict, none waits alone
         box = [verdict]
         dist.broadcast_object_list(box, src=0)
         verdict = box[0]
+    if verdict[0] == "write":
+        raise store.CheckpointWriteError(verdict[1])
     if verdict[0] == "error":
         raise store.CheckpointError(verdict[1])
     return output
