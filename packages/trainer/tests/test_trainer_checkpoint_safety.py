@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from plait.trainer.checkpoint import hf_export, hf_output, store
-from plait.trainer.testing import cli_env, run_cli, start_two_ranks
+from plait.trainer.testing import cli_env, rank_pids, run_cli, start_two_ranks
 
 # fmt: off
 TINY = [
@@ -450,22 +450,6 @@ def test_failure_summary_names_the_first_rank_and_maps_signals_to_infrastructure
     assert failure_summary({0: 2, 1: -9}, {0: 100, 1: 105}, 2)[1] == 2  # earlier wins over likelier
 
 
-def _rank_pids(launcher: int) -> dict[int, int]:
-    """{RANK: pid} of a launcher's rank processes (from their environment)."""
-    ranks = {}
-    for child in Path("/proc").glob("[0-9]*"):
-        try:
-            stat = (child / "stat").read_text()
-            environ = (child / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        parent = int(stat.rsplit(")", 1)[1].split()[1])
-        rank = next((int(v[5:]) for v in environ if v.startswith(b"RANK=")), None)
-        if rank is not None and (parent == launcher or parent in ranks.values()):
-            ranks[rank] = int(child.name)
-    return ranks
-
-
 def test_a_rank_killed_by_sigkill_is_named_and_exits_74(tmp_path):
     import signal
     import time
@@ -478,7 +462,7 @@ def test_a_rank_killed_by_sigkill_is_named_and_exits_74(tmp_path):
         deadline = time.monotonic() + 240
         ranks = {}
         while time.monotonic() < deadline and len(ranks) < 2:
-            ranks = _rank_pids(proc.pid)
+            ranks = rank_pids(proc.pid)
             time.sleep(0.2)
         os.kill(ranks[1], signal.SIGKILL)  # what the OOM killer does
         _, err = proc.communicate(timeout=180)

@@ -9,7 +9,7 @@ import time
 import torch
 
 from plait.trainer import exit_codes
-from plait.trainer.testing import run_cli, start_two_ranks
+from plait.trainer.testing import rank_pids, run_cli, start_two_ranks
 from plait.trainer.train import exit_code_of, infrastructure_fault
 
 # fmt: off
@@ -79,3 +79,40 @@ def test_ctrl_c_under_the_launcher_exits_130(tmp_path):
         proc.kill()
     assert proc.returncode == exit_codes.INTERRUPTED, err[-3000:]
     assert _status(dump) == str(exit_codes.INTERRUPTED)
+
+
+def test_a_stall_blames_the_stalled_rank():
+    from plait.trainer.cli import failure_summary
+    from plait.trainer.rank_notes import TIMEOUT
+
+    notes = {0: {"step": 12, "cause": TIMEOUT, "time": 1.0}}
+    text, code = failure_summary({0: 74, 1: -9}, {0: 100, 1: 130}, 2, notes, 15.0)
+    assert text.startswith("rank 1 of 2 stalled: rank 0 timed out at step 12 after 15 s") and code == 74, text
+    # Without notes: a rank killed after the first failure is the launcher's doing, not the OOM killer.
+    text, _ = failure_summary({0: 74, 1: -9}, {0: 100, 1: 130}, 2)
+    assert "rank 1 was killed by SIGKILL" in text and "OOM" not in text.split("then", 1)[1], text
+
+
+def test_a_stopped_rank_costs_the_timeout_not_ten_minutes_and_is_named(tmp_path):
+    """Fault probe 4: with one rank SIGSTOPped the others waited out a fixed 600 s, then the launcher
+    blamed the healthy rank 0 and called the stopped one "killed by SIGKILL: the OOM killer"."""
+    import os
+
+    dump = tmp_path / "stall"
+    proc = start_two_ranks(dump, *TINY, "--job.collective_timeout_s", "15", "--job.stop_grace_s", "5",
+                           until="metrics.jsonl")
+    try:
+        ranks = {}
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(ranks) < 2:
+            ranks = rank_pids(proc.pid)
+            time.sleep(0.2)
+        began = time.monotonic()
+        os.kill(ranks[1], signal.SIGSTOP)
+        _, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert time.monotonic() - began < 120, "waited far past job.collective_timeout_s"
+    last = err.strip().splitlines()[-1]
+    assert proc.returncode == exit_codes.INFRA, err[-3000:]
+    assert last.startswith("plait-train: rank 1 of 2 stalled: rank 0 timed out"), last

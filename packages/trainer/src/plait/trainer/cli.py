@@ -153,6 +153,9 @@ def launch(nproc: int, forward: list[str], stop_grace_s: int, config=None) -> in
         ["--standalone", f"--nproc-per-node={nproc}", f"--shutdown-timeout={stop_grace_s}", "--module",
          "plait.trainer", *forward]
     )  # fmt: skip
+    import time
+
+    started = time.time()
     try:
         run(launcher_args)
     except ChildFailedError as e:
@@ -161,7 +164,13 @@ def launch(nproc: int, forward: list[str], stop_grace_s: int, config=None) -> in
             print(f"plait-train: {_stopped_message(config)}", file=sys.stderr)
             return EXIT_STOPPED
         timestamps = {rank: failure.timestamp for rank, failure in e.failures.items()}
-        summary, code = failure_summary(codes, timestamps, nproc)
+        notes = {}
+        if config is not None:
+            from .rank_notes import read_notes
+
+            notes = read_notes(config.job.dump_folder, since=started)
+        summary, code = failure_summary(codes, timestamps, nproc, notes,
+                                        config.job.collective_timeout_s if config is not None else None)
         print(f"plait-train: {summary}", file=sys.stderr)
         return code
     except SignalException as e:
@@ -198,16 +207,47 @@ def _consequence(code: int) -> int:
     return {-int(signal.SIGTERM): 4, EXIT_STOPPED: 3, EXIT_INFRA: 2}.get(code, 0 if code < 0 else 1)
 
 
-def failure_summary(codes: dict[int, int], timestamps: dict[int, int], nproc: int) -> tuple[str, int]:
+def failure_summary(codes: dict[int, int], timestamps: dict[int, int], nproc: int, notes: dict | None = None,
+                    timeout_s: float | None = None) -> tuple[str, int]:
     """One line naming the rank that failed first and how, the others after it, and the code the
-    launcher exits with: the first rank's own, or 74 (infrastructure) for a rank killed by a signal."""
+    launcher exits with: the first rank's own, or 74 (infrastructure) for a rank killed by a signal.
+
+    `notes` (rank_notes: what each failing rank noted) tell a stall from a crash: when ranks timed
+    out in a collective and a rank that noted nothing was killed by the launcher afterwards, that
+    rank is the one they waited on (a stopped or hung process), not a victim of the OOM killer."""
+    from .rank_notes import TIMEOUT
+
+    notes = notes or {}
+    waited = sorted(r for r, note in notes.items() if note.get("cause") == TIMEOUT)
+    silent = sorted(r for r, c in codes.items() if c < 0 and r not in notes)
+    if waited and silent:
+        step = notes[waited[0]].get("step")
+        after = f" after {timeout_s:g} s (job.collective_timeout_s)" if timeout_s else ""
+        others = ", ".join(f"rank {r}" for r in waited)
+        killed = ", ".join(f"rank {r} by {_signal_name(codes[r])}" for r in silent)
+        return (f"rank {silent[0]} of {nproc} stalled: {others} timed out at step {step}{after} waiting in a "
+                f"collective it never joined (a stopped or hung process, a lost node); the launcher then killed "
+                f"{killed}. plait-train exits {EXIT_INFRA} (requeue)."), EXIT_INFRA
     first = min(codes, key=lambda r: (timestamps.get(r, 0), _consequence(codes[r]), r))
     code = codes[first]
     exit_code = EXIT_INFRA if code < 0 else code
-    others = ", ".join(f"rank {r} {_how(c).split(' (')[0]}" for r, c in sorted(codes.items()) if r != first)
+
+    def how(r: int) -> str:
+        if r != first and codes[r] < 0 and timestamps.get(r, 0) > timestamps.get(first, 0):
+            return f"was killed by {_signal_name(codes[r])} (by the launcher, after rank {first} failed)"
+        return _how(codes[r])
+
+    others = ", ".join(f"rank {r} {how(r).split(' (')[0]}" for r in sorted(codes) if r != first)
     then = f"; then {others}" if others else ""
     return (f"rank {first} of {nproc} failed first: it {_how(code)}{then}. plait-train exits {exit_code}"
             f"{' (requeue)' if exit_code in exit_codes.REQUEUE else ''}."), exit_code
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
 
 
 def _stopped_message(config=None) -> str:

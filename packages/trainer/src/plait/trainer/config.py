@@ -41,6 +41,10 @@ class JobConfig:
     """On SIGTERM, seconds `plait-train --nproc-per-node` gives its ranks to finish the step and save
     a checkpoint before it SIGKILLs them (torch elastic's shutdown timeout; under torchrun pass
     --shutdown-timeout). Send the signal at least this long before a scheduler's hard limit."""
+    collective_timeout_s: float = 600.0
+    """Seconds a collective waits for a rank that does not join (a stalled or stopped process, a
+    lost node) before it fails (exit 74, naming the rank it waited on: see heartbeat.py). Large
+    enough for the slowest checkpoint load or compile of a step; lower it to fail a hang sooner."""
 
 
 @dataclass

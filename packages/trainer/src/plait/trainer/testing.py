@@ -50,6 +50,22 @@ def start_two_ranks(dump: Path, *args: str, until: str, timeout: float = 240) ->
     return proc
 
 
+def rank_pids(launcher: int) -> dict[int, int]:
+    """{RANK: pid} of a launcher's rank processes (from their environment)."""
+    ranks = {}
+    for child in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (child / "stat").read_text()
+            environ = (child / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        rank = next((int(v[5:]) for v in environ if v.startswith(b"RANK=")), None)
+        if rank is not None and (parent == launcher or parent in ranks.values()):
+            ranks[rank] = int(child.name)
+    return ranks
+
+
 def parity_args(steps: int = 4, seq_len: int = 64, lr: float = 3e-3) -> list[str]:
     """CLI arguments for runs whose losses are compared step for step across layouts: fp32,
     deterministic, a short warmup, one metrics row per step at the end."""

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from plait.mesh import build_meshes, clip_grad_norm_, destroy_distributed, grad_norm, init_distributed
 from plait.models.documents import MIN_DOCUMENTS_PER_ROW, documents_capacity, row_segments, to_device_with_segments
 
-from . import exit_codes
+from . import exit_codes, rank_notes
 from .checkpoint import CheckpointManager
 from .config import Config, ConfigError, to_toml
 from .data.prefetch import DataWaitStopped, PrefetchingLoader
@@ -177,7 +177,7 @@ class Trainer:
         self.config = config
         self.plan = validate(config, check_memory=True)  # before any collective
         _set_determinism(config)
-        self.dist = init_distributed()
+        self.dist = init_distributed(timeout_s=config.job.collective_timeout_s)
         self.device = self.dist.device
         self.rank = self.dist.rank
         self.lock = _take_run_lock(config, self.rank)
@@ -652,6 +652,8 @@ def run(config: Config) -> bool:
         return finished
     except BaseException as e:
         code = exit_code_of(e)
+        if trainer is not None and code != exit_codes.INTERRUPTED:
+            rank_notes.note_failure(config.job.dump_folder, trainer.rank, trainer.step, e)
         if trainer is not None and trainer.rank == 0:
             exit_codes.record_failure(config.job.dump_folder, trainer.step, code)
         if trainer is not None:

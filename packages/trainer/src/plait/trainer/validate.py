@@ -116,6 +116,8 @@ def _check_positive(config: Config) -> None:
         raise ConfigError(f"lr_scheduler.decay_ratio = {config.lr_scheduler.decay_ratio}: must be in (0, 1].")
     if config.data.val_interval and not config.data.val_dataset:
         raise ConfigError("data.val_interval is set but data.val_dataset is empty: name a validation dataset.")
+    if not config.job.collective_timeout_s > 0:
+        raise ConfigError(f"job.collective_timeout_s = {config.job.collective_timeout_s}: must be > 0 seconds.")
     if not 0 <= config.job.seed < 2**63:
         raise ConfigError(f"job.seed = {config.job.seed}: must be in [0, 2^63) (torch's and numpy's seed range).")
     _check_pipeline_settings(config)

@@ -13,6 +13,7 @@ CollectiveCounter records every collective, and the HostOpCounter every op the s
 
 import contextlib
 import io
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -289,9 +290,55 @@ def measure_step(trainer, micro_batches, accumulation: int = 1) -> StepTrace:
     )
 
 
+class _LazyChunks(Sequence):
+    """FSDP's `_chunk_with_empty(tensor, num_chunks, dim)` (torch.chunk, padded with empty tensors
+    to num_chunks), each chunk made when it is read. FSDP reads two of them per parameter (this
+    rank's and the 0th, which gives the padded size); torch's list makes all num_chunks, which at
+    4,096 ranks was 126 of a plan's 128 seconds (the debug model) and grows with the world."""
+
+    def __init__(self, tensor: torch.Tensor, num_chunks: int, dim: int):
+        self.tensor, self.num_chunks, self.dim = tensor, num_chunks, dim
+        self.rows = tensor.size(dim)
+        self.chunk_rows = -(-self.rows // num_chunks)  # torch.chunk's split size
+
+    def __len__(self) -> int:
+        return self.num_chunks
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self.num_chunks))]
+        i = i + self.num_chunks if i < 0 else i
+        if not 0 <= i < self.num_chunks:
+            raise IndexError(i)
+        start = i * self.chunk_rows
+        if start < self.rows:
+            return self.tensor.narrow(self.dim, start, min(self.chunk_rows, self.rows - start))
+        return self[0].new_empty(0)
+
+
+@contextlib.contextmanager
+def rank_zero_chunks():
+    """FSDP's parameter chunks made only where read (_LazyChunks): same shards, no per-rank work."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    eager = _fsdp_param._chunk_with_empty
+
+    def chunk_with_empty(tensor, num_chunks, dim):
+        if num_chunks <= 64 or tensor.size(dim) == 0:  # small worlds (and torch's empty-tensor case) as torch does
+            return eager(tensor, num_chunks, dim)
+        return _LazyChunks(tensor, num_chunks, dim)
+
+    _fsdp_param._chunk_with_empty = chunk_with_empty
+    try:
+        yield
+    finally:
+        _fsdp_param._chunk_with_empty = eager
+
+
 @contextlib.contextmanager
 def fake_world(world_size: int):
-    """A fake process group of `world_size` ranks in which this process is rank 0."""
+    """A fake process group of `world_size` ranks in which this process is rank 0 (FSDP's shards
+    made for rank 0 only: rank_zero_chunks)."""
     if world_size == 1:
         yield
         return
@@ -301,7 +348,8 @@ def fake_world(world_size: int):
         raise RuntimeError("plait-plan needs a process without a process group (it makes a fake one).")
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
     try:
-        yield
+        with rank_zero_chunks():
+            yield
     finally:
         dist.destroy_process_group()
 
