@@ -67,3 +67,16 @@ def test_non_causal_rectangular_block_and_merge():
         acc.add(slice(0, 12), out, lse)
     torch.testing.assert_close(acc.out, full_out, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(acc.lse, full_lse, atol=1e-12, rtol=1e-12)
+
+
+def test_gpu_route_keeps_bf16_blocks_in_bf16_without_bf16_units(monkeypatch):
+    """Under gpu_route (a planner tracing a GPU's step on the CPU device) a CPU without bf16 units
+    runs the flash kernel in bf16, as a GPU does; the route ends with the block."""
+    monkeypatch.setattr(kernels, "CPU_BF16_UNITS", False)
+    q, k, v, dout = random_qkv(2, 4, 2, 20, 32, 16, dtype=torch.bfloat16)
+    with kernels.gpu_route():
+        with torch.profiler.profile(record_shapes=True) as prof:
+            _run(attention_forward, attention_backward, q, k, v, dout, True, 0.3)
+    flash = [e for e in prof.events() if e.name.startswith("aten::_scaled_dot_product_flash_attention_for_cpu")]
+    assert len(flash) == 2 and {e.input_dtypes[0] for e in flash} == {"c10::BFloat16"}
+    assert not kernels.GPU_ROUTE and kernels._cpu_in_fp32(q)

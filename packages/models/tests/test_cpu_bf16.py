@@ -152,3 +152,57 @@ def test_deepseek_v3_bf16_step_through_fp32_kernels_matches_the_bf16_kernels(mon
         for key, want in grads_ref.items():
             # bf16 activations: a one-ulp difference early moves later values by a few ulps.
             torch.testing.assert_close(grads[key], want, rtol=0.05, atol=0.05 * float(want.abs().max()), msg=key)
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_gpu_route_takes_torchs_bf16_kernels_without_bf16_units(name, monkeypatch):
+    """Under gpu_route (what plait-plan traces for a GPU) a CPU without bf16 units runs torch's own
+    bf16 products, bitwise, as a CPU with them does; the route ends with the block."""
+    monkeypatch.setattr(cpu_bf16, "CPU_BF16_UNITS", False)
+    op, torch_op, shapes = OPS[name]
+    leaves = _leaves(*shapes)
+    with cpu_bf16.gpu_route():
+        assert not cpu_bf16.cpu_multiplies_in_fp32(torch.bfloat16) and not cpu_bf16.cpu_attends_in_fp32(16)
+        for a, b in zip(_forward_backward(op, leaves), _forward_backward(torch_op, leaves), strict=True):
+            assert torch.equal(a, b)
+        assert _kernel_input_dtypes(lambda: _forward_backward(op, leaves)) == {"c10::BFloat16"}
+    assert not cpu_bf16.GPU_ROUTE and cpu_bf16.cpu_multiplies_in_fp32(torch.bfloat16)
+
+
+def _ops_of(fn) -> list[str]:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    names = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Ops():
+        fn()
+    return names
+
+
+@pytest.mark.parametrize("bf16_units", [True, False])
+def test_gpu_route_traces_mla_attention_without_padded_values(bf16_units, monkeypatch):
+    """MLA (values narrower than queries) traced with fake tensors under gpu_route: SDPA's
+    memory-efficient kernel on the unpadded values, as a GPU runs it (no CPU flash on padded values,
+    no fp32 copies); real tensors under the route still take a CPU kernel (bf16 flash on padded values)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from plait.models.common import causal_attention
+
+    monkeypatch.setattr(cpu_bf16, "CPU_BF16_UNITS", bf16_units)
+    shapes = [(2, 4, 64, 24), (2, 4, 64, 24), (2, 4, 64, 16)]
+    with cpu_bf16.gpu_route():
+        with FakeTensorMode():
+            q, k, v = (torch.empty(s, dtype=torch.bfloat16, requires_grad=True) for s in shapes)
+            ops = _ops_of(lambda: causal_attention(q, k, v, None).sum().backward())
+            out = causal_attention(q, k, v, None)
+        assert out.shape == (2, 4, 64, 16) and out.dtype == torch.bfloat16
+        assert "_scaled_dot_product_efficient_attention.default" in ops
+        assert not any(op.startswith(("constant_pad_nd", "_to_copy", "_scaled_dot_product_flash")) for op in ops)
+        q, k, v = _leaves(*shapes)
+        routed = causal_attention(q, k, v, None)
+    torch.testing.assert_close(routed, causal_attention(q, k, v, None), rtol=4 * BF16_ULP, atol=4 * BF16_ULP)

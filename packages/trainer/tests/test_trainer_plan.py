@@ -210,3 +210,221 @@ def test_moe_ops_do_not_depend_on_the_tokens_each_expert_receives():
         counts.append(counter.by_op())
     spread, same = counts
     assert spread == same and sum(spread.values()) > 0
+
+
+# ---- issue 40: a device-honest planner, documents, no data, bounds and flags -------------------
+
+ROUTE_FLAGS = ["--training.dtype", "bfloat16", "--training.activation_checkpoint", "selective", "--model.n_layers",
+               "2", "--training.local_batch_size", "2", "--training.seq_len", "128"]
+ROUTE_CASES = {
+    "deepseek_v3": ["--config", "deepseek_v3_debugmodel.toml"],
+    "llama3": ["--config", "llama3_debugmodel.toml"],
+    "llama3_fsdp_8": ["--config", "llama3_debugmodel.toml", "--plan.world_size", "8"],
+    "deepseek_v3_fsdp_4_cp_2": ["--config", "deepseek_v3_debugmodel.toml", "--plan.world_size", "8",
+                                "--parallelism.cp", "2"],
+}
+
+
+def _force_cpu_bf16_units(monkeypatch, units: bool) -> None:
+    """This CPU as one with (True) or without (False) bf16 units, for the models and context parallel."""
+    from plait.models import cpu_bf16
+
+    monkeypatch.setattr(cpu_bf16, "CPU_BF16_UNITS", units)
+    try:
+        from plait.contextparallel import kernels
+    except ImportError:
+        return
+    monkeypatch.setattr(kernels, "CPU_BF16_UNITS", units)
+
+
+@pytest.mark.parametrize("case", ROUTE_CASES)
+def test_a_gpu_plan_does_not_depend_on_the_cpus_bf16_units(case, tmp_path, monkeypatch, capsys):
+    """plait-plan traces a GPU's kernel routes: a CPU without bf16 units (fp32 products, fp32
+    attention, MLA's padded values) plans what a CPU with them plans, field for field."""
+    if "--parallelism.cp" in ROUTE_CASES[case]:
+        pytest.importorskip("plait.contextparallel")
+    reports = {}
+    for units in (True, False):
+        _force_cpu_bf16_units(monkeypatch, units)
+        out = tmp_path / f"{units}.json"
+        argv = ["--job.dump_folder", str(tmp_path), *ROUTE_CASES[case], *ROUTE_FLAGS, "--plan.json", str(out)]
+        assert plan_cli.main(argv) == 0
+        reports[units] = json.loads(out.read_text())
+    capsys.readouterr()
+    with_units, without = reports[True], reports[False]
+    assert with_units["memory"]["activations"] > 0 and with_units["host_ops_per_step"] > 0
+    for key in with_units:
+        assert with_units[key] == without[key], key
+    assert with_units["kernel_route"] == "gpu"
+    ops = with_units["host_ops_by_op"]
+    if case.startswith("deepseek_v3"):
+        assert "aten::_grouped_mm" in ops  # the experts' bf16 GEMM, not an fp32 custom op
+    if case == "deepseek_v3":
+        # MLA's attention as a GPU runs it (values 128 wide, queries 192): no padded values.
+        assert "aten::_scaled_dot_product_efficient_attention" in ops and "aten::constant_pad_nd" not in ops
+        # The CPU's own routes (what a measured step on it runs) do depend on the units: the test bites.
+        host = {}
+        for units in (True, False):
+            _force_cpu_bf16_units(monkeypatch, units)
+            host[units] = _trace(tmp_path, ROUTE_CASES[case] + ROUTE_FLAGS[:-2])
+        assert host[True].activations != host[False].activations
+
+
+def _token_folder(path, lengths):
+    """A pre-tokenised folder (data/token_format.py) of documents of these lengths."""
+    import numpy as np
+
+    path.mkdir()
+    total = sum(lengths)
+    np.zeros(total, np.uint32).tofile(path / "tokens.bin")
+    np.save(path / "offsets.npy", np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+    meta = {"num_documents": len(lengths), "num_tokens": total, "max_id": 0, "n_words": 2048, "bos_id": 0,
+            "eos_id": 1, "tokenizer": "none"}
+    (path / "meta.json").write_text(json.dumps(meta))
+    return path
+
+
+def test_document_masks_are_traced_with_document_boundaries(tmp_path, monkeypatch, capsys):
+    """--plan.document_tokens, or a pre-tokenised folder's mean, or the default: the traced rows
+    hold seq_len / that many documents (pp too), shown in the JSON and the printed assumptions."""
+    from plait.trainer.plan import trace
+
+    seen = []
+    real = trace.micro_batch
+
+    def spy(config, seq_len=None, documents_per_row=1):
+        seen.append(documents_per_row)
+        return real(config, seq_len, documents_per_row)
+
+    monkeypatch.setattr(trace, "micro_batch", spy)
+    document = ["--job.dump_folder", str(tmp_path), *SMALL, "--training.seq_len", "256",
+                "--model.attention_mask", "document"]
+    out = tmp_path / "plan.json"
+
+    def plan(*extra):
+        seen.clear()
+        assert plan_cli.main([*document, *extra, "--plan.json", str(out)]) == 0
+        return json.loads(out.read_text()), capsys.readouterr().out
+
+    report, table = plan("--plan.document_tokens", "64")
+    assert report["documents"] == {"document_tokens": 64, "documents_per_row": 4, "source": "--plan.document_tokens"}
+    assert seen == [4] and "document mask: 4 documents of 64 tokens per row" in table
+    report, table = plan()
+    assert report["documents"]["document_tokens"] == plan_cli.DEFAULT_DOCUMENT_TOKENS == 2048
+    assert seen == [1] and "the default" in report["documents"]["source"] and "mean document length 2048" in table
+    folder = _token_folder(tmp_path / "tokens", [32, 32, 32, 32])  # mean 32 tokens
+    report, _ = plan("--data.dataset", "tokens", "--data.dataset_path", str(folder), "--data.val_interval", "0")
+    assert report["documents"]["documents_per_row"] == 8 and seen == [8] and str(folder) in report["documents"]["source"]
+    # A causal mask sees no documents: one per row.
+    assert plan_cli.main(["--job.dump_folder", str(tmp_path), *SMALL, "--plan.json", str(out)]) == 0
+    assert json.loads(out.read_text())["documents"]["source"].startswith("causal mask")
+    assert "causal mask: documents not traced" in capsys.readouterr().out
+    # Pipeline parallel traces its micro-batches on the same rows.
+    pytest.importorskip("plait.pipelineparallel")
+    report, _ = plan("--plan.document_tokens", "32", "--plan.world_size", "2", "--parallelism.pp", "2",
+                     "--parallelism.dp_shard", "1")
+    assert report["pipeline"] and report["documents"]["documents_per_row"] == 8 and seen == [8]
+
+
+def test_a_plan_reads_no_tokenizer_and_no_dataset(tmp_path, capsys):
+    """A tokenizer file and a dataset that are not on this machine: plait-train refuses, plait-plan
+    plans (the model's vocab_size stands in, and the assumptions say so)."""
+    from plait.trainer.validate import validate
+
+    missing = ["--model.tokenizer_path", str(tmp_path / "no" / "tokenizer.model"), "--data.dataset", "json",
+               "--data.dataset_path", str(tmp_path / "no" / "corpus.jsonl")]
+    config = plan_cli_config(train_cli.parse_args(["--job.dump_folder", str(tmp_path), *SMALL, *missing]))
+    with pytest.raises(ConfigError, match="not found"):
+        validate(config, world_size=1)
+    assert validate(config, world_size=1, need_data=False).tokenizer is None
+    out = tmp_path / "plan.json"
+    assert plan_cli.main(["--job.dump_folder", str(tmp_path), *SMALL, *missing, "--plan.json", str(out)]) == 0
+    assert "no tokenizer or dataset read: the model's vocab_size 2048" in capsys.readouterr().out
+    assert json.loads(out.read_text())["vocab_size"] == 2048
+
+
+def test_the_readme_plan_of_deepseek_v3_671B_needs_no_tokenizer(tmp_path, monkeypatch, capsys):
+    """The README's first example, as printed, from a folder without the config's tokenizer file."""
+    monkeypatch.chdir(tmp_path)
+    assert plan_cli.main(["--config", "deepseek_v3_671B.toml", "--plan.world_size", "512"]) == 0
+    table = capsys.readouterr().out
+    assert table.startswith("plait-plan: deepseek_v3 671B on 512 ranks") and "fits in" in table
+
+
+def test_fsdp_chunks_of_a_large_world_are_torchs(tmp_path, monkeypatch, capsys):
+    """The planner's FSDP chunks (made only where read) are torch's, for every rank and the 0th,
+    and a plan over 128 ranks is the same with torch's own chunks."""
+    import contextlib
+
+    import torch
+    from torch.distributed.fsdp._fully_shard import _fsdp_common
+
+    from plait.trainer.plan.trace import _LazyChunks
+
+    for rows, ranks in ((256, 100), (1000, 4096), (7, 65), (129280, 1000), (3, 3000)):
+        t = torch.arange(rows * 2).reshape(rows, 2)
+        eager, lazy = _fsdp_common._chunk_with_empty(t, ranks, 0), _LazyChunks(t, ranks, 0)
+        assert len(lazy) == len(eager) == ranks
+        for i in (0, 1, ranks // 2, ranks - 1, -1):
+            assert lazy[i].shape == eager[i].shape and torch.equal(lazy[i], eager[i])
+            assert lazy[i].storage_offset() == eager[i].storage_offset() or eager[i].numel() == 0
+    from plait.trainer.plan import trace
+
+    reports = []
+    for chunks in (trace.rank_zero_chunks, contextlib.nullcontext):
+        monkeypatch.setattr(trace, "rank_zero_chunks", chunks)
+        out = tmp_path / f"{len(reports)}.json"
+        argv = ["--job.dump_folder", str(tmp_path), *SMALL, "--plan.world_size", "128", "--plan.json", str(out)]
+        assert plan_cli.main(argv) == 0
+        reports.append(json.loads(out.read_text()))
+    capsys.readouterr()
+    assert reports[0] == reports[1] and reports[0]["layout"]["dp_shard"] == 128
+
+
+def test_a_plan_of_100_000_ranks_takes_seconds_and_a_larger_world_than_the_bound_is_one_line(tmp_path, capsys):
+    """FSDP over 100,000 ranks (once: minutes, per-rank chunks of every parameter); 10^9 ranks
+    (once: 23 GB, then the OOM killer) is refused before anything is built."""
+    import time
+
+    out = tmp_path / "plan.json"
+    start = time.perf_counter()
+    assert plan_cli.main(["--job.dump_folder", str(tmp_path), *SMALL, "--plan.world_size", "100000",
+                          "--plan.json", str(out)]) == 0
+    assert time.perf_counter() - start < 60
+    assert json.loads(out.read_text())["layout"]["dp_shard"] == 100000
+    capsys.readouterr()
+    for argv in (["--plan.world_size", "1000000000"], ["--plan.world_size", str(plan_cli.MAX_WORLD_SIZE + 1)],
+                 ["--plan.search", "--plan.world_size", str(2 * plan_cli.MAX_WORLD_SIZE)],
+                 ["--parallelism.dp_shard", str(plan_cli.MAX_WORLD_SIZE), "--parallelism.tp", "2"]):
+        assert plan_cli.main(["--job.dump_folder", str(tmp_path), *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("plait-plan: error: --plan.world_size = ") and "at most 1,048,576 ranks" in err
+        assert "\n" not in err
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--plan.device_memory_gib", "nan"], "--plan.device_memory_gib = 'nan': expected a finite number"),
+    (["--plan.device_memory_gib", "inf"], "--plan.device_memory_gib = 'inf': expected a finite number"),
+    (["--plan.device_memory_gib=-inf"], "--plan.device_memory_gib = '-inf'"),
+    (["--nproc-per-node", "2"], "--nproc-per-node: plait-plan starts no ranks; the plan's world is --plan.world_size"),
+    (["--nproc_per_node=1"], "--nproc_per_node: plait-plan starts no ranks"),
+    (["--plan.document_tokens", "0"], "--plan.document_tokens = '0'"),
+    (["--plan.json", "{tmp}/no/such/folder/plan.json"], "cannot write it (No such file or directory)"),
+    (["--plan.json", "{tmp}"], "cannot write it (Is a directory)"),
+    (["--plan.search", "--plan.world_size", "2", "--plan.json", "{tmp}"], "cannot write it (Is a directory)"),
+])
+def test_plan_flags_refused_in_one_line_before_tracing(flags, words, tmp_path, monkeypatch, capsys):
+    from plait.trainer.plan import search, trace
+
+    def no_trace(*args, **kwargs):
+        raise AssertionError("traced before refusing")
+
+    monkeypatch.setattr(trace, "trace_step", no_trace)
+    monkeypatch.setattr(search, "search", no_trace)
+    argv = ["--job.dump_folder", str(tmp_path), *SMALL, *(f.format(tmp=tmp_path) for f in flags)]
+    assert plan_cli.main(argv) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert err.startswith("plait-plan: error: ") and words in err and "\n" not in err
+    assert captured.out == ""
+    assert not (tmp_path / "no").exists()

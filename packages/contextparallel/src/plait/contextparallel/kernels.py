@@ -24,6 +24,8 @@ bf16 natively (no AVX512-BF16, no AMX: 2.3-2.6x faster). The results come back i
 the log-sum-exp is fp32 either way.
 """
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -31,10 +33,24 @@ _HALF = (torch.float16, torch.bfloat16)
 CPU_FP32_MAX_HEAD_DIM = 16
 # torch's private CPU probes (in torch.cpu since 2.3); a torch without them counts as no bf16 units.
 CPU_BF16_UNITS = any(getattr(torch.cpu, probe, bool)() for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+# True only inside `gpu_route()`: a planner tracing a GPU's step on the CPU device (fake tensors),
+# where blocks keep their dtype as the CUDA kernels do (plait.models.cpu_bf16.gpu_route, the same rule).
+GPU_ROUTE = False
+
+
+@contextlib.contextmanager
+def gpu_route():
+    """Within: half-precision blocks are not run in fp32 on the CPU (what a GPU computes)."""
+    global GPU_ROUTE
+    before, GPU_ROUTE = GPU_ROUTE, True
+    try:
+        yield
+    finally:
+        GPU_ROUTE = before
 
 
 def _cpu_in_fp32(q: torch.Tensor) -> bool:
-    return q.dtype in _HALF and (q.shape[-1] <= CPU_FP32_MAX_HEAD_DIM or not CPU_BF16_UNITS)
+    return not GPU_ROUTE and q.dtype in _HALF and (q.shape[-1] <= CPU_FP32_MAX_HEAD_DIM or not CPU_BF16_UNITS)
 
 
 def _kernel(q: torch.Tensor) -> str:

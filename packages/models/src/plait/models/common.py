@@ -53,6 +53,16 @@ class ScaledDotProductAttention(nn.Module):
 def causal_attention(q_BHSD, k_BGSD, v_BGSD, scale: float | None) -> torch.Tensor:
     gqa = q_BHSD.shape[1] != k_BGSD.shape[1]
     dqk, dv = q_BHSD.shape[-1], v_BGSD.shape[-1]
+    if q_BHSD.device.type == "cpu" and dv < dqk and not gqa and cpu_bf16.GPU_ROUTE and _traced(q_BHSD):
+        # A GPU's MLA, traced (cpu_bf16.gpu_route): no flash kernel takes unequal head dims, so SDPA
+        # runs the memory-efficient one: out [B, H, S, Dv] and an fp32 log-sum-exp, no padded values
+        # (the CPU routes below pad them, or take the math path with its S x S scores).
+        if torch.is_autocast_enabled("cpu"):
+            dtype = torch.get_autocast_dtype("cpu")
+            q_BHSD, k_BGSD, v_BGSD = q_BHSD.to(dtype), k_BGSD.to(dtype), v_BGSD.to(dtype)
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            q_BHSD, k_BGSD, v_BGSD, None, True, 0.0, True, scale=scale
+        )[0]
     if q_BHSD.device.type == "cpu" and _low_precision(q_BHSD) and cpu_bf16.cpu_attends_in_fp32(dqk):
         # The rule and its measurements: cpu_bf16.py.
         autocast = torch.is_autocast_enabled("cpu")
@@ -75,6 +85,11 @@ def causal_attention(q_BHSD, k_BGSD, v_BGSD, scale: float | None) -> torch.Tenso
         )
         return out_BHSD[..., :dv]
     return F.scaled_dot_product_attention(q_BHSD, k_BGSD, v_BGSD, is_causal=True, scale=scale, enable_gqa=gqa)
+
+
+def _traced(x: torch.Tensor) -> bool:
+    """A fake or meta tensor: shapes only, no CPU kernel runs (a model imports no tracer to ask)."""
+    return type(x).__name__ == "FakeTensor" or x.is_meta
 
 
 def _low_precision(x: torch.Tensor) -> bool:

@@ -11,7 +11,13 @@ Autograd saves the bf16 operands, not fp32 copies, so activation memory is that 
 
 CPUs with bf16 units and every GPU are unchanged. Attention also runs in fp32 on every CPU up to
 head dim 16, where torch's flash kernel is faster in fp32 (`cpu_attends_in_fp32`).
+
+`gpu_route()`: within it every CPU-only route answers as a GPU runs (bf16 products and attention
+in bf16, no CPU-only padding or batched-matmul experts, whatever this CPU has): what a planner
+tracing a GPU's step on the CPU device (fake tensors) must see.
 """
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -26,17 +32,32 @@ CPU_BF16_UNITS = any(
 # about 60 ms in fp32 against 73 ms in bf16 on an AMD EPYC (bf16 units), while from head_dim 32 up
 # bf16 was as fast or faster there.
 CPU_FP32_MAX_HEAD_DIM = 16
+# True only inside `gpu_route()` (read at call time, like CPU_BF16_UNITS).
+GPU_ROUTE = False
+
+
+@contextlib.contextmanager
+def gpu_route():
+    """Within: the CPU device takes the kernel routes of a GPU (module docstring). For tracing a
+    GPU's step with fake tensors (plait-plan); real CPU tensors still compute correctly (bf16 as
+    torch's kernels compute it), only slower where the CPU emulates bf16."""
+    global GPU_ROUTE
+    before, GPU_ROUTE = GPU_ROUTE, True
+    try:
+        yield
+    finally:
+        GPU_ROUTE = before
 
 
 def cpu_attends_in_fp32(head_dim: int) -> bool:
-    """Whether a half-precision attention on this CPU runs faster in fp32."""
-    return head_dim <= CPU_FP32_MAX_HEAD_DIM or not CPU_BF16_UNITS
+    """Whether a half-precision attention on this CPU runs faster in fp32 (never under gpu_route)."""
+    return not GPU_ROUTE and (head_dim <= CPU_FP32_MAX_HEAD_DIM or not CPU_BF16_UNITS)
 
 
 def cpu_multiplies_in_fp32(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
     """Whether a product computed in `dtype` on `device` runs through fp32 kernels: bf16 on a CPU
-    that emulates it."""
-    return dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not CPU_BF16_UNITS
+    that emulates it (never under gpu_route)."""
+    return dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not (CPU_BF16_UNITS or GPU_ROUTE)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -97,7 +118,7 @@ class _BmmInFp32(torch.autograd.Function):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`, through fp32 kernels for bf16 (or bf16 autocast) on a CPU that emulates bf16."""
-    if x.device.type != "cpu" or CPU_BF16_UNITS:  # GPUs and bf16 CPUs: torch's op, no more checks
+    if x.device.type != "cpu" or CPU_BF16_UNITS or GPU_ROUTE:  # GPUs and bf16 CPUs: torch's op, no more checks
         return F.linear(x, weight, bias)
     dtype = compute_dtype(x)
     if not cpu_multiplies_in_fp32(dtype):

@@ -159,13 +159,15 @@ def _check_data_parallel(config: Config, dims: ParallelDims) -> None:
         )
 
 
-def _check_data(config: Config) -> None:
+def _check_data(config: Config, read_sources: bool = True) -> None:
     from plait.trainer.data.sources import check_readable, resolve_source
 
     d = config.data
     if not 0 <= d.prefetch <= MAX_PREFETCH:
         raise ConfigError(f"data.prefetch = {d.prefetch}: must be in [0, {MAX_PREFETCH}] (batches prepared ahead, "
                           "each held in memory; 0 prepares batches in the step).")
+    if not read_sources:
+        return
     sources = [(d.dataset, d.dataset_path or None, "train")]
     if d.val_interval:
         sources.append((d.val_dataset, (d.dataset_path or None) if d.val_dataset == d.dataset else None, "validation"))
@@ -376,11 +378,14 @@ def _parallel_dims(config: Config, world_size: int) -> ParallelDims:
         raise ConfigError(str(e)) from None
 
 
-def validate(config: Config, world_size: int | None = None, check_memory: bool = False) -> RunPlan:
+def validate(config: Config, world_size: int | None = None, check_memory: bool = False,
+             need_data: bool = True) -> RunPlan:
     """Check the whole configuration locally (no collective); raise ConfigError on the first problem.
     `check_memory`: also refuse a run whose estimated per-rank peak exceeds this machine's device
     memory (training.memory_check) — for the run about to start here (the trainer's ranks, the
-    launcher), not for a layout checked on another machine's behalf."""
+    launcher), not for a layout checked on another machine's behalf. `need_data = False` (plait-plan,
+    which plans for another machine): no data source is read and no tokenizer is built (the plan's
+    `tokenizer` is None; the model's vocab_size stands for it), every other check as plait-train's."""
     world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
     _check_positive(config)
     dims = _parallel_dims(config, world_size)
@@ -404,20 +409,21 @@ def validate(config: Config, world_size: int | None = None, check_memory: bool =
             f"(--model.max_seq_len {seq_len}; RoPE tables cover it)."
         )
     _check_data_parallel(config, dims)
-    _check_data(config)
+    _check_data(config, read_sources=need_data)
     _check_hf_weights(config, model_args)
     _check_hf_export(config, spec, model_args)
 
     from plait.trainer.data import build_tokenizer
 
     try:
-        tokenizer = build_tokenizer(config.model.tokenizer_path or None)
+        tokenizer = build_tokenizer(config.model.tokenizer_path or None) if need_data else None
     except FileNotFoundError:
         raise ConfigError(f"model.tokenizer_path: tokenizer file not found: {config.model.tokenizer_path}") from None
     except (ValueError, OSError) as e:
         raise ConfigError(f"model.tokenizer_path = {config.model.tokenizer_path!r}: {e}") from None
-    _check_document_positions(config, model_args, _check_token_folder(config, tokenizer))
-    if tokenizer.n_words > model_args.vocab_size:
+    if tokenizer is not None:
+        _check_document_positions(config, model_args, _check_token_folder(config, tokenizer))
+    if tokenizer is not None and tokenizer.n_words > model_args.vocab_size:
         raise ConfigError(
             f"the tokenizer has {tokenizer.n_words} tokens but {config.model.name} {config.model.flavor} has "
             f"vocab_size = {model_args.vocab_size}: use a tokenizer that fits the model (model.tokenizer_path)."

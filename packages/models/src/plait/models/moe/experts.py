@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plait.models import cpu_bf16
 from plait.models.cpu_bf16 import bmm, compute_dtype, cpu_multiplies_in_fp32
 
 from .grouped_mm_op import grouped_mm as _grouped_mm_any_dtype
@@ -114,8 +115,9 @@ def run_experts_grouped_mm(
 def _equal_groups_as_bmm(x: torch.Tensor) -> bool:
     # Measured on CPU (fwd + bwd, one thread, 4-8 experts of 16-256 rows, D 256-1024): bmm matches
     # grouped_mm's per-expert loop at large groups and is up to 1.7x faster at small ones, fp32 and
-    # bf16. CUDA keeps grouped_mm (its grouped kernel; bmm there is unmeasured).
-    return x.device.type != "cuda"
+    # bf16. CUDA keeps grouped_mm (its grouped kernel; bmm there is unmeasured), and so does a traced
+    # GPU step (cpu_bf16.gpu_route).
+    return x.device.type != "cuda" and not cpu_bf16.GPU_ROUTE
 
 
 def run_experts_bmm(

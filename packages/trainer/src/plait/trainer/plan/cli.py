@@ -5,18 +5,27 @@
     plait-plan --config llama3_debugmodel.toml --plan.world_size 2 --parallelism.dp_shard 2 --plan.json plan.json
 
 The config and every --section.key flag are plait-train's, validated by the same code (same
-one-line errors, exit 2). The --plan.* flags are the planner's own:
+one-line errors, exit 2), except that no tokenizer file or dataset is read: a plan needs only the
+model's vocab_size. The step is traced through the device's kernel routes (a GPU's bf16 products
+and attention), whatever the CPU planning it. The --plan.* flags are the planner's own:
 
-  --plan.world_size N         ranks of the run (default: the product of the configured degrees)
-  --plan.device h100|h200     device whose peak, memory and links the step is read against (h100)
+  --plan.world_size N         ranks of the run (default: the product of the configured degrees;
+                              at most 1,048,576)
+  --plan.device h100|h200     device whose peak, memory, links and kernels the step is read against (h100)
   --plan.device_memory_gib G  memory per device (default: the device's)
-  --plan.json PATH            also write the plan as JSON
+  --plan.document_tokens N    mean document length under model.attention_mask = "document": rows of
+                              seq_len / N documents are traced (default: a pre-tokenised folder's mean,
+                              read from its meta.json, else 2048; one document per row for a causal mask)
+  --plan.json PATH            also write the plan as JSON (checked writable before the trace)
   --plan.search               list the layouts that fit --plan.world_size, fewest bytes per token first,
                               each as plait-train flags (plan/search.py)
   --plan.search_limit N       layouts the search traces at most (default 12)
+
+plait-plan starts no ranks: --nproc-per-node is refused (the plan's world is --plan.world_size).
 """
 
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -24,7 +33,15 @@ from dataclasses import dataclass
 from .. import exit_codes
 from ..config import ConfigError
 
-PLAN_KEYS = ("world_size", "device", "device_memory_gib", "json", "search", "search_limit")
+PLAN_KEYS = ("world_size", "device", "device_memory_gib", "document_tokens", "json", "search", "search_limit")
+# The largest world planned. The trace is rank 0's, but the fake world's meshes hold every rank's
+# number (torch's DeviceMesh: a rank map and its tuple, about 200 bytes a rank): the Llama 3 debug
+# model planned in 5.1 s at 100,000 ranks, 5.4 s / 0.7 GB at 2^20 and 8.3 s / 1.3 GB at 2^22 (one
+# thread); 10^9 would need hundreds of GB.
+MAX_WORLD_SIZE = 2**20
+# Mean document length of a document-masked plan when neither --plan.document_tokens nor the
+# configured data (a pre-tokenised folder's meta.json) says.
+DEFAULT_DOCUMENT_TOKENS = 2048
 
 
 @dataclass
@@ -32,9 +49,16 @@ class PlanArgs:
     world_size: int | None = None
     device: str = "h100"
     device_memory_gib: float | None = None
+    document_tokens: int | None = None
     json: str | None = None
     search: bool = False
     search_limit: int | None = None
+
+
+def check_world_size(world_size: int) -> None:
+    if world_size > MAX_WORLD_SIZE:
+        raise ConfigError(f"--plan.world_size = {world_size}: plait-plan plans at most {MAX_WORLD_SIZE:,} ranks "
+                          "(its fake world holds every rank's mesh coordinates).")
 
 
 def split_plan_args(argv: list[str]) -> tuple[PlanArgs, list[str]]:
@@ -64,6 +88,10 @@ def split_plan_args(argv: list[str]) -> tuple[PlanArgs, list[str]]:
                 plan.world_size = int(value)
                 if plan.world_size < 1:
                     raise ValueError
+            elif key == "document_tokens":
+                plan.document_tokens = int(value)
+                if plan.document_tokens < 1:
+                    raise ValueError
             elif key == "search":
                 if value not in ("true", "false"):
                     raise ValueError
@@ -74,7 +102,7 @@ def split_plan_args(argv: list[str]) -> tuple[PlanArgs, list[str]]:
                     raise ValueError
             elif key == "device_memory_gib":
                 plan.device_memory_gib = float(value)
-                if plan.device_memory_gib <= 0:
+                if not (math.isfinite(plan.device_memory_gib) and plan.device_memory_gib > 0):
                     raise ValueError
             elif key == "device":
                 if value.lower() not in DEVICES:
@@ -83,10 +111,13 @@ def split_plan_args(argv: list[str]) -> tuple[PlanArgs, list[str]]:
             else:
                 plan.json = value
         except ValueError:
-            expected = {"world_size": "a number of ranks >= 1", "device_memory_gib": "GiB > 0",
+            expected = {"world_size": "a number of ranks >= 1", "device_memory_gib": "a finite number of GiB > 0",
+                        "document_tokens": "a number of tokens >= 1",
                         "search": "true or false", "search_limit": "a number of layouts >= 1",
                         "device": " or ".join(DEVICES)}[key]
             raise ConfigError(f"{name} = {value!r}: expected {expected}.") from None
+    if plan.world_size:
+        check_world_size(plan.world_size)
     return plan, rest
 
 
@@ -96,8 +127,55 @@ def default_world_size(config) -> int:
     return max(1, p.dp_replicate) * max(1, p.dp_shard) * p.cp * p.tp * max(1, p.pp)
 
 
+def documents_per_row(config, model_args, document_tokens: int | None) -> dict:
+    """The documents a traced row holds: seq_len / the mean document length (at least one), and
+    where that length came from (--plan.document_tokens, the configured data, the default; a
+    causal mask sees one document per row)."""
+    seq_len = config.training.seq_len
+    if document_tokens:
+        source = "--plan.document_tokens"
+    elif getattr(model_args, "attention_mask", "causal") != "document":
+        document_tokens, source = seq_len, "causal mask: one document per row"
+    else:
+        document_tokens = _data_document_tokens(config)
+        source = f"the mean of {config.data.dataset_path} (meta.json)" if document_tokens else (
+            "the default (a data set's document lengths are read only from a pre-tokenised folder's meta.json)")
+        document_tokens = document_tokens or DEFAULT_DOCUMENT_TOKENS
+    per_row = max(1, min(seq_len, round(seq_len / document_tokens)))
+    return {"document_tokens": document_tokens, "documents_per_row": per_row, "source": source}
+
+
+def _data_document_tokens(config) -> int | None:
+    """The mean document length of a pre-tokenised folder (its meta.json: cheap); None for any
+    other source, or a folder that is not there (a plan reads no data)."""
+    from ..data.sources import TOKENS
+
+    if config.data.dataset != TOKENS or not config.data.dataset_path:
+        return None
+    try:
+        from ..data.token_format import read_meta
+
+        meta = read_meta(config.data.dataset_path)
+        return max(1, round(meta["num_tokens"] / meta["num_documents"]))
+    except Exception:  # noqa: BLE001 - any unreadable folder: the default stands in
+        return None
+
+
+def check_json_path(path: str) -> None:
+    """--plan.json can be written (opened for appending, as the write will; a file made here is removed)."""
+    existed = os.path.lexists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--plan.json = {path!r}: cannot write it ({e.strerror or e}).") from None
+    if not existed:
+        os.remove(path)
+
+
 def make_plan(config, plan_args: PlanArgs) -> dict:
-    """Validate (as plait-train), trace rank 0's step, and report against the device."""
+    """Validate (as plait-train, without data), trace rank 0's step through the device's kernel
+    routes, and report against the device."""
     import dataclasses
 
     from ..memory_estimate import estimate_memory
@@ -107,14 +185,16 @@ def make_plan(config, plan_args: PlanArgs) -> dict:
     from .trace import trace_step
 
     world_size = plan_args.world_size or default_world_size(config)
-    plan = validate(config, world_size=world_size)
+    check_world_size(world_size)
+    plan = validate(config, world_size=world_size, need_data=False)
+    documents = documents_per_row(config, plan.model_args, plan_args.document_tokens)
     # Compiled blocks run the same ops; the trace runs them eagerly (no compiler under fake tensors).
     traced_config = dataclasses.replace(config, training=dataclasses.replace(config.training, compile=False))
-    traced = trace_step(traced_config, plan)
+    traced = trace_step(traced_config, plan, documents_per_row=documents["documents_per_row"], gpu=True)
     device = DEVICES[plan_args.device]
     memory_gib = plan_args.device_memory_gib or device.memory_gib
     analytic = estimate_memory(config, plan.dims, plan.model, plan.info).parts()
-    return build_report(config, plan, traced, device, memory_gib, analytic)
+    return build_report(config, plan, traced, device, memory_gib, analytic, documents)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,7 +216,13 @@ def main(argv: list[str] | None = None) -> int:
             print(__doc__)
             return exit_codes.FINISHED
         plan_args, rest = split_plan_args(argv)
+        launcher = next((a for a in rest if a.partition("=")[0] in ("--nproc-per-node", "--nproc_per_node")), None)
+        if launcher:
+            raise ConfigError(f"{launcher.partition('=')[0]}: plait-plan starts no ranks; the plan's world is "
+                              "--plan.world_size N (default: the product of the configured degrees).")
         args = parse_args(rest)
+        if plan_args.json:
+            check_json_path(plan_args.json)
         config = build_config(load_toml(args.config or DEFAULT_CONFIG), args.overrides)
         if plan_args.search:
             from .search import format_search, search, search_json
@@ -149,16 +235,17 @@ def main(argv: list[str] | None = None) -> int:
         return exit_codes.CONFIG
     if plan_args.search:
         print(format_search(result, config, plan_args))
-        if plan_args.json:
-            with open(plan_args.json, "w") as f:
-                json.dump(search_json(result), f, indent=1)
-        return exit_codes.FINISHED
-    from .report import format_report
+    else:
+        from .report import format_report
 
-    print(format_report(report))
+        print(format_report(report))
     if plan_args.json:
-        with open(plan_args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        try:
+            with open(plan_args.json, "w") as f:
+                json.dump(search_json(result) if plan_args.search else report, f, indent=1)
+        except OSError as e:  # checked before the trace; a disk that filled since
+            print(f"plait-plan: error: --plan.json = {plan_args.json!r}: {e.strerror or e}", file=sys.stderr)
+            return exit_codes.CONFIG
     return exit_codes.FINISHED
 
 

@@ -9,9 +9,13 @@ from .devices import GIB, Device, link_gb_s
 HEADROOM = 0.10  # a plan fits when its peak leaves 10% of the device's memory free
 
 
-def build_report(config, plan, traced, device: Device, device_memory_gib: float, analytic) -> dict:
-    """Everything plait-plan prints, as plain data (the JSON of --plan.json)."""
+def build_report(config, plan, traced, device: Device, device_memory_gib: float, analytic,
+                 documents: dict | None = None) -> dict:
+    """Everything plait-plan prints, as plain data (the JSON of --plan.json). `documents`: the
+    traced rows' documents (cli.documents_per_row)."""
     t, dims = config.training, plan.dims
+    documents = documents or {"document_tokens": t.seq_len, "documents_per_row": 1, "source": "one per row"}
+    document_mask = getattr(plan.model_args, "attention_mask", "causal") == "document"
     accumulation = t.gradient_accumulation_steps
     # A rank computes 1 / (tp x cp) of each of its sequences (the trainer's metrics count it so);
     # under pp, its stages' share of the blocks.
@@ -45,6 +49,9 @@ def build_report(config, plan, traced, device: Device, device_memory_gib: float,
         "gradient_accumulation_steps": accumulation,
         "activation_checkpoint": t.activation_checkpoint,
         "dtype": t.dtype,
+        "kernel_route": "gpu",  # what the step was traced through (trace.gpu_kernel_routes)
+        "vocab_size": plan.model_args.vocab_size,
+        "documents": documents,
         "memory": {
             "parameters": traced.params, "gradients": traced.grads, "optimizer": traced.optimizer,
             "activations": traced.activations, "logits": traced.logits, "peak": peak, "first_step_peak": traced.peak,
@@ -69,6 +76,13 @@ def build_report(config, plan, traced, device: Device, device_memory_gib: float,
         "serial_step_seconds": compute_s + comm_s,
         "assumptions": [
             device.assumptions(),
+            "kernels: the GPU's routes (bf16 products and attention in bf16, MLA's attention without padded "
+            "values), traced with fake tensors on this CPU whatever its bf16 units",
+            f"no tokenizer or dataset read: the model's vocab_size {plan.model_args.vocab_size} sizes the embedding "
+            "and logits",
+            (f"document mask: {documents['documents_per_row']} documents of {t.seq_len // documents['documents_per_row']}"
+             f" tokens per row (mean document length {documents['document_tokens']}: {documents['source']})"
+             if document_mask else "causal mask: documents not traced"),
             "FLOPs: the model's flops_per_token (6 x params + attention; activation-checkpoint recompute not counted)",
             "memory: the peak of a step after the first (the first step's traced peak plus the optimizer state "
             "when that peak came before the state existed); torch's MemTracker over one traced step (parameters, gradients, optimizer state, activations, "

@@ -256,7 +256,7 @@ def search(config, plan_args, progress=None) -> SearchResult:
     usable = (plan_args.device_memory_gib or device.memory_gib) * GIB * (1 - HEADROOM)
     base = copy.deepcopy(config)
     base.parallelism.pp = 1
-    first = validate(_with(base, Candidate(1, 1, world, 1, 1, 1, 1, 1, 1, "none")), world_size=world)
+    first = validate(_with(base, Candidate(1, 1, world, 1, 1, 1, 1, 1, 1, "none")), world_size=world, need_data=False)
     n_experts = _routed_experts(first.model, first.info)
     shape = _model_shape(first.model, first.info)
     seq_len = config.training.seq_len
@@ -279,7 +279,7 @@ def search(config, plan_args, progress=None) -> SearchResult:
                 key = (degrees, lbs)  # validate reads no AC setting: once per degrees and micro-batch
                 if key not in valid_cache:
                     try:
-                        valid_cache[key] = validate(_with(base, c), world_size=world)
+                        valid_cache[key] = validate(_with(base, c), world_size=world, need_data=False)
                     except ConfigError:
                         valid_cache[key] = None
                 plan = valid_cache[key]
@@ -307,7 +307,8 @@ def search(config, plan_args, progress=None) -> SearchResult:
             counts["not_traced_limit"] += 1
             continue
         counts["traced"] += 1
-        args = PlanArgs(world_size=world, device=plan_args.device, device_memory_gib=plan_args.device_memory_gib)
+        args = PlanArgs(world_size=world, device=plan_args.device, device_memory_gib=plan_args.device_memory_gib,
+                        document_tokens=plan_args.document_tokens)
         try:
             report = _trace_in_child(_with(base, c), args)
         except RuntimeError as e:  # a layout the tracer cannot follow is reported, not fatal

@@ -9,10 +9,16 @@ micro-batch of zeros. Around it, torch's MemTracker records memory by kind and t
 CollectiveCounter records every collective, and the HostOpCounter every op the step dispatches
 (host_ops.py: each is a kernel launch on a GPU). `trace_step` works the same on a real process group
 (a measured run), so the two are compared field by field.
+
+plait-plan traces with `gpu=True`: the CPU device takes the GPU's kernel routes (gpu_kernel_routes),
+so a plan does not depend on the planning CPU's bf16 units; the measured comparisons keep this
+CPU's own routes on both sides. Nothing is built per rank but the fake world's mesh coordinates
+(FSDP's parameter chunks are made for rank 0 only: rank_zero_chunks).
 """
 
 import contextlib
 import io
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -375,13 +381,47 @@ def build_traced_trainer(config, plan, meshes, device, shims):
     return trainer_for_step(config, plan, meshes, pm, optimizer, scheduler, device)
 
 
-def trace_step(config, plan, documents_per_row: int = 1) -> StepTrace:
+@contextlib.contextmanager
+def gpu_kernel_routes():
+    """The CPU device takes a GPU's kernel routes (plait.models.cpu_bf16.gpu_route, and context
+    parallel's blocks: plait.contextparallel.kernels.gpu_route): bf16 products and attention in
+    bf16, no CPU-only padding, whatever this CPU's bf16 units."""
+    from plait.models import cpu_bf16
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(cpu_bf16.gpu_route())
+        try:
+            from plait.contextparallel import kernels as cp_kernels
+        except ImportError:  # context parallel not installed: no layout of this plan uses it
+            cp_kernels = None
+        if cp_kernels is not None:
+            stack.enter_context(cp_kernels.gpu_route())
+        yield
+
+
+def trace_step(config, plan, documents_per_row: int = 1, gpu: bool = False) -> StepTrace:
     """Rank 0's step of the validated `plan` under a fake world of plan.dims.world_size ranks, on
-    rows of `documents_per_row` documents each (what a document mask sees; micro_batch)."""
+    rows of `documents_per_row` documents each (what a document mask sees; micro_batch). `gpu`:
+    through a GPU's kernel routes (gpu_kernel_routes: what plait-plan traces); without it, through
+    this CPU's own (what a measured step on this CPU runs)."""
+    with gpu_kernel_routes() if gpu else contextlib.nullcontext():
+        return _trace_step(config, plan, documents_per_row)
+
+
+def _forget_cached_tensors() -> None:
+    """Tensors a package keeps per process (context parallel's chunk order indices) that an earlier
+    trace made: made again by this one, so every plan in a process counts them as the first does."""
+    layout = sys.modules.get("plait.contextparallel.layout")
+    if layout is not None:
+        layout._order_indices.cache_clear()
+
+
+def _trace_step(config, plan, documents_per_row: int) -> StepTrace:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from plait.mesh import build_meshes
 
+    _forget_cached_tensors()
     device = torch.device("cpu")
     with fake_world(plan.dims.world_size):
         meshes = build_meshes(plan.dims, device.type)  # real mesh tensors, fake groups
