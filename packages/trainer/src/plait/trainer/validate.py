@@ -133,8 +133,16 @@ def _check_pipeline_settings(config: Config) -> None:
         raise ConfigError(f"parallelism.layers_per_stage = {p.layers_per_stage}: every stage needs >= 1 block.")
     try:
         from plait.pipelineparallel.config import schedule_name
-    except ImportError:  # plait-pipelineparallel not installed: pp > 1 says so itself
-        return
+    except ImportError:  # plait-pipelineparallel not installed (pp > 1 says so itself): torch's names
+        from torch.distributed.pipelining.schedules import get_schedule_class
+
+        def schedule_name(name):
+            try:
+                get_schedule_class(name)
+            except ValueError:
+                raise ValueError(f"parallelism.pipeline_schedule = {name!r} is not a pipeline schedule: use one of "
+                                 "1F1B, Interleaved1F1B, GPipe, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, "
+                                 "DualPipeV.") from None
     try:
         schedule_name(p.pipeline_schedule)
     except ValueError as e:
