@@ -87,7 +87,12 @@ PARAM_GRAD_RTOL = 1e-4  # fp32, per parameter, relative to the reference gradien
 BF16_FACTOR = 8
 CROSS_POLICY_FACTOR = 64
 BF16_MIN_FLOOR = 1e-5  # a floor measured as 0 (identical runs) still admits fp32-level noise
-COMMON = [*parity_args(steps=STEPS, lr=1e-3), "--metrics.tensorboard", "false"]
+# bf16 runs take torch's bf16 kernels on every CPU (training.cpu_bf16 = native), so the matrix checks
+# bf16 kernels themselves and the sentinel's dtype check holds; the FP32_ROUTE entries check the
+# route users of CPUs without bf16 units run (auto there: bf16 products and attention through fp32
+# kernels), each against a one-rank reference on the same route.
+COMMON = [*parity_args(steps=STEPS, lr=1e-3), "--metrics.tensorboard", "false", "--training.cpu_bf16", "native"]
+FP32_ROUTE = {"cpu_bf16": "fp32"}
 FLOOR = "one rank, accumulation 2"
 
 
@@ -101,6 +106,7 @@ class Layout:
     model_args: dict = field(default_factory=dict)
     tolerance: float = TOLERANCE
     bf16: bool = True  # DDP: no mixed-precision policy, the trainer refuses bf16
+    fp32: bool = True  # the CPU-route entries: bf16 only (an fp32 run takes no bf16 route)
     layers: dict = field(default_factory=dict)  # pipeline parallel: model -> layers_per_stage
 
     def dims(self) -> ParallelDims:
@@ -125,6 +131,10 @@ class Layout:
             for key, value in values.items():
                 args += [f"--{section}.{key}", str(value).lower() if isinstance(value, bool) else str(value)]
         return args
+
+    def route(self) -> str:
+        """The CPU kernel route of its bf16 products (training.cpu_bf16)."""
+        return self.training.get("cpu_bf16", "native")
 
     def checked_steps(self, steps: int) -> list[int]:
         """The steps whose host syncs must be the expected count. Under pipeline parallel the first
@@ -198,6 +208,14 @@ LAYOUTS = [
            layers=PP2V_LAYERS),
     Layout("PP 2 1F1B, document mask, accumulation 2", 2, {**PP2, "pipeline_schedule": "1F1B"},
            {"gradient_accumulation_steps": 2}, layers=PP2_LAYERS, model_args=DOCS),
+    # The CPU route of bf16 on a CPU without bf16 units (training.cpu_bf16 = fp32 forces it anywhere):
+    # products and attention through fp32 kernels on the bf16 operands; "FSDP 2" is its FSDP anchor.
+    Layout("FSDP 2, CPU bf16 through fp32 kernels", 2, training=FP32_ROUTE, fp32=False),
+    Layout("EP 2, CPU bf16 through fp32 kernels", 2, {"ep": 2}, FP32_ROUTE, models=DEEPSEEK, fp32=False),
+    Layout("CP 2 ring, CPU bf16 through fp32 kernels", 2, {"cp": 2, **CP1, "cp_method": "ring"}, FP32_ROUTE,
+           fp32=False),
+    Layout("PP 2 1F1B, CPU bf16 through fp32 kernels", 2, {**PP2, "pipeline_schedule": "1F1B"}, FP32_ROUTE,
+           layers=PP2_LAYERS, fp32=False),
     # 4 ranks
     Layout("FSDP 4", 4),
     Layout("HSDP 2x2", 4, {"dp_replicate": 2}),
@@ -249,18 +267,18 @@ ENTRIES = [
     for layout in LAYOUTS
     for model in layout.models
     for dtype in DTYPES
-    if dtype == "float32" or layout.bf16
+    if (dtype == "float32" and layout.fp32) or (dtype == "bfloat16" and layout.bf16)
 ]
 # The FSDP-policy bf16 references, one per set of model arguments the fsdp-policy entries use.
 ANCHORS = {
-    tuple(sorted(layout.model_args.items())): layout
-    for layout in LAYOUTS if layout.name in ("FSDP 2", "FSDP 2, document mask")
+    (tuple(sorted(layout.model_args.items())), layout.route()): layout
+    for layout in LAYOUTS if layout.name in ("FSDP 2", "FSDP 2, document mask", "FSDP 2, CPU bf16 through fp32 kernels")
 }
 
 
 def _anchor(layout: Layout) -> Layout:
-    key = tuple(sorted(layout.model_args.items()))
-    assert key in ANCHORS, f"{layout.name}: no FSDP-policy anchor runs with model arguments {layout.model_args}"
+    key = (tuple(sorted(layout.model_args.items())), layout.route())
+    assert key in ANCHORS, f"{layout.name}: no FSDP-policy anchor runs with {layout.model_args}, route {layout.route()}"
     return ANCHORS[key]
 
 
@@ -278,11 +296,12 @@ def _reference_key(layout: Layout, model: str, dtype: str) -> str:
     """The run an entry is compared with (see BF16 in the module docstring)."""
     if dtype == "bfloat16" and layout.policy() == "fsdp" and layout not in ANCHORS.values():
         return _key(_anchor(layout), model, dtype)
-    return _one_rank_key(model, dtype, layout.model_args)
+    return _one_rank_key(model, dtype, layout.model_args, route=layout.route())
 
 
-def _one_rank_key(model: str, dtype: str, model_args: dict, name: str = "one rank") -> str:
+def _one_rank_key(model: str, dtype: str, model_args: dict, name: str = "one rank", route: str = "native") -> str:
     extra = "".join(f", {k}={v}" for k, v in sorted(model_args.items()))
+    extra += f", cpu_bf16={route}" if route != "native" else ""
     return f"{model} {dtype}: {name}{extra}"
 
 
@@ -291,13 +310,15 @@ def _one_rank_jobs(entries: list[tuple]) -> list[tuple]:
     the bf16 noise floor (the same bf16 run with gradient accumulation 2)."""
     jobs, seen = [], set()
     for layout, model, dtype in entries:
+        route = layout.route()
         runs = [("one rank", {})] + ([(FLOOR, {"gradient_accumulation_steps": 2})] if dtype == "bfloat16" else [])
         for name, training in runs:
-            key = _one_rank_key(model, dtype, layout.model_args, name)
+            key = _one_rank_key(model, dtype, layout.model_args, name, route)
             if key not in seen:
                 seen.add(key)
-                one = Layout(name, 1, training=training, model_args=layout.model_args)
-                reference = _one_rank_key(model, dtype, layout.model_args) if name == FLOOR else None
+                routed = {**training, **({"cpu_bf16": route} if route != "native" else {})}
+                one = Layout(name, 1, training=routed, model_args=layout.model_args)
+                reference = _one_rank_key(model, dtype, layout.model_args, route=route) if name == FLOOR else None
                 jobs.append((key, model, one.argv(model, dtype), dtype, reference))
     return jobs
 
@@ -378,18 +399,6 @@ def _capture_gradients(
     return param_diffs
 
 
-def _bf16_kernels_on_cpu() -> None:
-    """The matrix checks bf16 kernels themselves: on a CPU without native bf16 the models multiply
-    and attend, and context parallel attends, through fp32 kernels for speed
-    (plait.models.cpu_bf16.CPU_BF16_UNITS), which the sentinel's dtype check would rightly report.
-    Here they take the bf16 path of a CPU with bf16 units (head dim 32 keeps attention above the
-    every-CPU fp32 limit of 16)."""
-    from plait.contextparallel import kernels
-    from plait.models import cpu_bf16
-
-    cpu_bf16.CPU_BF16_UNITS = kernels.CPU_BF16_UNITS = True
-
-
 def _train_each(rank: int, world_size: int, root: str, grads_dir: str, jobs: list[tuple], references: set) -> dict:
     """On every rank: train each job in turn in this process, under the step sentinel. Rank 0
     returns each job's metrics rows, step-by-step sentinel counts and per-parameter gradient
@@ -400,7 +409,6 @@ def _train_each(rank: int, world_size: int, root: str, grads_dir: str, jobs: lis
     from plait.trainer.testing import read_metrics
     from plait.trainer.train import Trainer
 
-    _bf16_kernels_on_cpu()
     results = {}
     for key, model, argv, dtype, reference in jobs:
         started = time.perf_counter()
@@ -526,8 +534,8 @@ def _steps_complete(rows: list[dict], steps: int) -> list[str]:
 
 def _bf16_floor_values(runs, layout: Layout, model: str) -> dict:
     """bf16 noise of this model: the one-rank bf16 run against itself with accumulation 2."""
-    ref = runs(1)[_one_rank_key(model, "bfloat16", layout.model_args)]
-    floor = runs(1)[_one_rank_key(model, "bfloat16", layout.model_args, FLOOR)]
+    ref = runs(1)[_one_rank_key(model, "bfloat16", layout.model_args, route=layout.route())]
+    floor = runs(1)[_one_rank_key(model, "bfloat16", layout.model_args, FLOOR, layout.route())]
     pairs = list(zip(floor["rows"], ref["rows"], strict=True))
     return dict(
         loss=max(BF16_MIN_FLOOR, *(abs(a["loss"] - b["loss"]) for a, b in pairs)),
@@ -572,7 +580,8 @@ def test_layout_matches_its_reference(layout, model, dtype, runs, report):
         failures.append(f"the dispatchers count {own} host syncs per step, the sentinel {syncs}")
     if violations:
         failures.append(f"{violations} kernel-precondition violations:\n{result['sentinel_report']}")
-    for run, name in ((result, "this entry"), (reference, "its reference")):
+    # The fp32 route runs its products in fp32 by design: the dtype check is the native route's.
+    for run, name in ((result, "this entry"), (reference, "its reference")) if layout.route() == "native" else ():
         if run["off_dtype"]:
             failures.append(f"compute kernels outside bf16 in {name}: " + "; ".join(run["off_dtype"]))
     if model == "deepseek_v3":

@@ -43,9 +43,10 @@ def test_kernel_matches_fp64_attention(shape, kernel, dtype):
 
 @pytest.mark.parametrize("bf16_units", [True, False])
 def test_cpu_bf16_blocks_run_the_kernel_in_fp32_where_that_is_faster(bf16_units, monkeypatch):
-    """Head dim 32 (above the every-CPU fp32 limit of 16): bf16 on a CPU with native bf16, fp32 on
-    one without; outputs and gradients come back in bf16, the lse in fp32, both branches on any CPU."""
-    monkeypatch.setattr(kernels, "CPU_BF16_UNITS", bf16_units)
+    """bf16 blocks in bf16 where the caller says the CPU multiplies bf16 natively, in fp32 where it
+    says not (CPU_HALF_IN_FP32, the models' decision passed down); outputs and gradients come back
+    in bf16, the lse in fp32, both branches on any CPU."""
+    monkeypatch.setattr(kernels, "CPU_HALF_IN_FP32", not bf16_units)
     q, k, v, dout = random_qkv(2, 4, 2, 20, 32, 16, dtype=torch.bfloat16)
     ref_out, ref_dq, ref_dk, ref_dv = reference_with_grads(q, k, v, dout, scale=0.3)
     with torch.profiler.profile(record_shapes=True) as prof:
@@ -72,7 +73,7 @@ def test_non_causal_rectangular_block_and_merge():
 def test_gpu_route_keeps_bf16_blocks_in_bf16_without_bf16_units(monkeypatch):
     """Under gpu_route (a planner tracing a GPU's step on the CPU device) a CPU without bf16 units
     runs the flash kernel in bf16, as a GPU does; the route ends with the block."""
-    monkeypatch.setattr(kernels, "CPU_BF16_UNITS", False)
+    monkeypatch.setattr(kernels, "CPU_HALF_IN_FP32", True)
     q, k, v, dout = random_qkv(2, 4, 2, 20, 32, 16, dtype=torch.bfloat16)
     with kernels.gpu_route():
         with torch.profiler.profile(record_shapes=True) as prof:

@@ -206,3 +206,47 @@ def test_gpu_route_traces_mla_attention_without_padded_values(bf16_units, monkey
         q, k, v = _leaves(*shapes)
         routed = causal_attention(q, k, v, None)
     torch.testing.assert_close(routed, causal_attention(q, k, v, None), rtol=4 * BF16_ULP, atol=4 * BF16_ULP)
+
+
+@pytest.mark.parametrize("units", [True, False])
+def test_one_route_switch(units, monkeypatch):
+    """training.cpu_bf16 (issue 40 item 2): auto follows the CPU, native never takes the fp32
+    kernels, fp32 always does; fp64 and GPUs are never touched; the route is a checked name."""
+    monkeypatch.setattr(cpu_bf16, "CPU_BF16_UNITS", units)
+    monkeypatch.setattr(cpu_bf16, "ROUTE", "auto")
+    assert cpu_bf16.cpu_multiplies_in_fp32(torch.bfloat16) is (not units)
+    assert cpu_bf16.cpu_attends_in_fp32(32) is (not units) and cpu_bf16.cpu_attends_in_fp32(16)
+    cpu_bf16.set_route("native")
+    assert not cpu_bf16.cpu_multiplies_in_fp32(torch.bfloat16) and not cpu_bf16.cpu_attends_in_fp32(16)
+    cpu_bf16.set_route("fp32")
+    assert cpu_bf16.cpu_multiplies_in_fp32(torch.bfloat16) and cpu_bf16.cpu_attends_in_fp32(128)
+    assert not cpu_bf16.cpu_multiplies_in_fp32(torch.float64) and not cpu_bf16.cpu_multiplies_in_fp32(torch.bfloat16, "cuda")
+    with pytest.raises(ValueError, match="use one of auto, native, fp32"):
+        cpu_bf16.set_route("fast")
+
+
+def test_arm_bf16_is_detected(monkeypatch, tmp_path):
+    """An ARM CPU with the BF16 extension (cpuinfo's `bf16` feature) counts as having bf16 units."""
+    import builtins
+    import platform
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics bf16 i8mm\n")
+    real_open = builtins.open
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(builtins, "open", lambda f, *a, **k: real_open(cpuinfo if f == "/proc/cpuinfo" else f, *a, **k))
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    assert cpu_bf16._has_bf16_units()
+    cpuinfo.write_text("Features\t: fp asimd evtstrm aes\n")
+    assert not cpu_bf16._has_bf16_units()
+
+
+def test_fp64_attention_stays_fp64():
+    """fp64 is not low precision: causal attention keeps it (it was attended in fp32)."""
+    from plait.models.common import causal_attention
+
+    q, k, v = (torch.randn(1, 2, 8, 16, dtype=torch.float64) for _ in range(3))
+    out = causal_attention(q, k, v, None)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.dtype == torch.float64 and torch.equal(out, ref)

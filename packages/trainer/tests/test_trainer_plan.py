@@ -234,7 +234,7 @@ def _force_cpu_bf16_units(monkeypatch, units: bool) -> None:
         from plait.contextparallel import kernels
     except ImportError:
         return
-    monkeypatch.setattr(kernels, "CPU_BF16_UNITS", units)
+    monkeypatch.setattr(kernels, "CPU_HALF_IN_FP32", not units)
 
 
 @pytest.mark.parametrize("case", ROUTE_CASES)

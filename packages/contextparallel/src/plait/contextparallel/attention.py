@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from . import kernels
 from .allgather import AllGatherAttention
 from .config import ContextParallelConfig
 from .documents import document_segments
@@ -70,6 +71,7 @@ def apply_context_parallel(
     attention over `cp_mesh`, keeping its softmax `scale`. Returns the sequence layout that the
     batch must be sharded in (`shard_sequence`, `SequenceLayout.local_indices` for positions)."""
     layout = SequenceLayout(cp_mesh.size(), config.load_balance, config.load_balance_rounds)
+    kernels.CPU_HALF_IN_FP32 = config.cpu_half_in_fp32  # one process, one run: its models' rule
     for path in attention_modules:
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model

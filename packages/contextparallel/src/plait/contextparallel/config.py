@@ -26,6 +26,11 @@ class ContextParallelConfig:
     table). It costs more, smaller kernel calls (at most 2 per chunk a rank holds) and needs seq_len divisible
     by 2 x cp x rounds. Contiguous sharding (load_balance=False) gives each rank 2 x rounds
     consecutive chunks: the same tokens and kernel calls as one round."""
+    cpu_half_in_fp32: bool = False
+    """On the CPU, run fp16 / bf16 attention blocks through the flash kernel in fp32 (faster where the
+    CPU emulates bf16). The caller decides, as its models do (the trainer passes
+    plait.models.cpu_bf16.cpu_attends_in_fp32 for the model's head dim); context parallel probes
+    nothing. Ignored on GPU."""
 
 
 def validate_context_parallel(

@@ -18,10 +18,10 @@ CUDA fp16/bf16 with head dim a multiple of 8, <= 256 -> aten._scaled_dot_product
 padding sliced off. Callers hand every kernel what the CUDA one needs, on CPU too
 (`flash_input_problems` says what that is; the tests check every call against it).
 
-On CPU, fp16/bf16 blocks run the flash kernel in fp32 where it is faster there (the models' rule,
-plait.models.cpu_bf16): head dim <= 16 on every CPU, every head dim on a CPU that does not multiply
-bf16 natively (no AVX512-BF16, no AMX: 2.3-2.6x faster). The results come back in the input dtype;
-the log-sum-exp is fp32 either way.
+On CPU, fp16/bf16 blocks run the flash kernel in fp32 when the caller says so (CPU_HALF_IN_FP32:
+the models' rule, plait.models.cpu_bf16, passed down by the trainer: where that is faster, e.g. a
+CPU that does not multiply bf16 natively, 2.3-2.6x). The results come back in the input dtype; the
+log-sum-exp is fp32 either way.
 """
 
 import contextlib
@@ -30,9 +30,11 @@ import torch
 import torch.nn.functional as F
 
 _HALF = (torch.float16, torch.bfloat16)
-CPU_FP32_MAX_HEAD_DIM = 16
-# torch's private CPU probes (in torch.cpu since 2.3); a torch without them counts as no bf16 units.
-CPU_BF16_UNITS = any(getattr(torch.cpu, probe, bool)() for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+# Whether half-precision blocks run the CPU flash kernel in fp32: the caller's decision, made once
+# where the models make theirs (plait.models.cpu_bf16: the trainer passes it as
+# ContextParallelConfig.cpu_half_in_fp32, which apply_context_parallel sets here). Context parallel
+# probes nothing itself; left False, it runs torch's kernels in the blocks' dtype.
+CPU_HALF_IN_FP32 = False
 # True only inside `gpu_route()`: a planner tracing a GPU's step on the CPU device (fake tensors),
 # where blocks keep their dtype as the CUDA kernels do (plait.models.cpu_bf16.gpu_route, the same rule).
 GPU_ROUTE = False
@@ -50,7 +52,7 @@ def gpu_route():
 
 
 def _cpu_in_fp32(q: torch.Tensor) -> bool:
-    return not GPU_ROUTE and q.dtype in _HALF and (q.shape[-1] <= CPU_FP32_MAX_HEAD_DIM or not CPU_BF16_UNITS)
+    return not GPU_ROUTE and q.dtype in _HALF and CPU_HALF_IN_FP32
 
 
 def _kernel(q: torch.Tensor) -> str:

@@ -93,7 +93,9 @@ def _traced(x: torch.Tensor) -> bool:
 
 
 def _low_precision(x: torch.Tensor) -> bool:
-    return x.dtype != torch.float32 or torch.is_autocast_enabled("cpu")
+    """fp16 / bf16, or autocast's lower precision: fp64 stays fp64 (it was taken for low precision
+    and attended in fp32)."""
+    return x.dtype in (torch.float16, torch.bfloat16) or torch.is_autocast_enabled("cpu")
 
 
 INIT_STD = 0.02

@@ -18,16 +18,44 @@ tracing a GPU's step on the CPU device (fake tensors) must see.
 """
 
 import contextlib
+import platform
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-# torch's private CPU probes (in torch.cpu since 2.3); a torch without them counts as no bf16 units.
+
+def _has_bf16_units() -> bool:
+    """Whether this CPU multiplies bf16 natively: x86 AVX512-BF16 or AMX (torch's private probes, in
+    torch.cpu since 2.3; a torch without them counts as none), ARM's BF16 extension (the `bf16`
+    feature of /proc/cpuinfo: Graviton 3+, Grace, Apple M2+ under Linux)."""
+    if any(getattr(torch.cpu, probe, bool)() for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")):
+        return True
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        try:
+            with open("/proc/cpuinfo") as f:
+                return any(line.startswith("Features") and "bf16" in line.split() for line in f)
+        except OSError:
+            return False
+    return False
+
+
 # Read at call time, so a test can take either path on any CPU by setting it.
-CPU_BF16_UNITS = any(
-    getattr(torch.cpu, probe, bool)() for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-)
+CPU_BF16_UNITS = _has_bf16_units()
+# Which kernels a bf16 product or attention takes on the CPU (the trainer's training.cpu_bf16):
+# "auto" fp32 kernels where this CPU emulates bf16 (and attention at head dim <= 16 on any CPU),
+# "native" torch's bf16 kernels always, "fp32" fp32 kernels always. Decided here, once: context
+# parallel takes the answer as a flag (ContextParallelConfig.cpu_half_in_fp32) and probes nothing.
+ROUTES = ("auto", "native", "fp32")
+ROUTE = "auto"
+
+
+def set_route(route: str) -> None:
+    """Choose the CPU kernels of bf16 products and attention for this process (ROUTES)."""
+    global ROUTE
+    if route not in ROUTES:
+        raise ValueError(f"cpu_bf16 route {route!r}: use one of {', '.join(ROUTES)}")
+    ROUTE = route
 # At head_dim 16 (the Llama 3 debug model: batch 8, seq 512, 16 heads) forward + backward took
 # about 60 ms in fp32 against 73 ms in bf16 on an AMD EPYC (bf16 units), while from head_dim 32 up
 # bf16 was as fast or faster there.
@@ -50,14 +78,19 @@ def gpu_route():
 
 
 def cpu_attends_in_fp32(head_dim: int) -> bool:
-    """Whether a half-precision attention on this CPU runs faster in fp32 (never under gpu_route)."""
-    return not GPU_ROUTE and (head_dim <= CPU_FP32_MAX_HEAD_DIM or not CPU_BF16_UNITS)
+    """Whether a half-precision attention on this CPU runs in fp32: where that is faster under the
+    "auto" route, always under "fp32", never under "native" (nor under gpu_route)."""
+    if GPU_ROUTE or ROUTE == "native":
+        return False
+    return ROUTE == "fp32" or head_dim <= CPU_FP32_MAX_HEAD_DIM or not CPU_BF16_UNITS
 
 
 def cpu_multiplies_in_fp32(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
     """Whether a product computed in `dtype` on `device` runs through fp32 kernels: bf16 on a CPU
-    that emulates it (never under gpu_route)."""
-    return dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not (CPU_BF16_UNITS or GPU_ROUTE)
+    that emulates it under "auto", always under "fp32", never under "native" (nor under gpu_route)."""
+    if dtype != torch.bfloat16 or torch.device(device).type != "cpu" or GPU_ROUTE or ROUTE == "native":
+        return False
+    return ROUTE == "fp32" or not CPU_BF16_UNITS
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -109,6 +109,12 @@ class TrainingConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype. bfloat16: FSDP/TP runs cast parameters by the sharding policy (fp32 master
     weights, fp32 gradient reduction); a single process uses autocast."""
+    cpu_bf16: Literal["auto", "native", "fp32"] = "auto"
+    """On a CPU, the kernels of bf16 products and attention: auto, fp32 kernels on the bf16 operands
+    where this CPU emulates bf16 (no AVX512-BF16 / AMX / ARM BF16: 3-5x faster there; attention at
+    head dim <= 16 on every CPU), torch's bf16 kernels elsewhere; native, torch's bf16 kernels always
+    (equal work with another framework's bf16 run); fp32, fp32 kernels always. No effect on a GPU.
+    plait.models.cpu_bf16 decides; context parallel takes its answer."""
     deterministic: bool = False
     """torch.use_deterministic_algorithms(True) and deterministic kernels: bitwise-repeatable runs."""
     compile: bool = False

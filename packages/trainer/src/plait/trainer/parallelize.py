@@ -113,7 +113,7 @@ def _parallelize(config: Config, plan: RunPlan, meshes: Meshes, device: torch.de
     cp_layout, dispatchers = None, None
     if meshes.dims.cp > 1:
         cp = plan.parallel_modules["cp"]
-        cp_layout = cp.apply_context_parallel(model, meshes.cp, info["attention_modules"], cp_config(cp, config))
+        cp_layout = cp.apply_context_parallel(model, meshes.cp, info["attention_modules"], cp_config(cp, config, info))
     if meshes.dims.ep > 1:
         # dp2ep: routed experts sharded on E over the ep ranks (borrowed from dp_shard x cp); data
         # parallel then shards them over what is left (efsdp).

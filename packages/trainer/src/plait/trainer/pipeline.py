@@ -95,7 +95,7 @@ def _tensor_and_expert_parallel(config: Config, plan: RunPlan, meshes: Meshes, m
     if dims.cp > 1:
         cp = plan.parallel_modules["cp"]
         cp_layout = cp.apply_context_parallel(
-            module, meshes.cp, _owned(info["attention_modules"], module), cp_config(cp, config)
+            module, meshes.cp, _owned(info["attention_modules"], module), cp_config(cp, config, info)
         )
     experts = _owned(info.get("experts", ()), module)
     if dims.ep > 1 and experts:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
 
 from plait.mesh import build_meshes, clip_grad_norm_, destroy_distributed, grad_norm, init_distributed
+from plait.models import cpu_bf16
 from plait.models.documents import MIN_DOCUMENTS_PER_ROW, documents_capacity, row_segments, to_device_with_segments
 
 from . import exit_codes, rank_notes
@@ -177,6 +178,7 @@ class Trainer:
         self.config = config
         self.plan = validate(config, check_memory=True)  # before any collective
         _set_determinism(config)
+        cpu_bf16.set_route(config.training.cpu_bf16)  # the models' CPU kernels; context parallel's follow
         self.dist = init_distributed(timeout_s=config.job.collective_timeout_s)
         self.device = self.dist.device
         self.rank = self.dist.rank

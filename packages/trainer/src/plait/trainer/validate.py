@@ -514,7 +514,7 @@ def _validate_tp(tp_module, model: nn.Module, info: dict, dims: ParallelDims, co
 def _validate_cp(cp_module, model_args, info: dict, dims: ParallelDims, config: Config) -> None:
     try:
         cp_module.validate_context_parallel(
-            info, dims.cp, config.training.seq_len, cp_config(cp_module, config), dims.tp,
+            info, dims.cp, config.training.seq_len, cp_config(cp_module, config, info), dims.tp,
             attention_mask=getattr(model_args, "attention_mask", "causal"),
         )
     except ValueError as e:
@@ -553,11 +553,18 @@ def ep_config(ep_module, config: Config):
     )
 
 
-def cp_config(cp_module, config: Config):
-    """plait.contextparallel's config from the [parallelism] section."""
+def cp_config(cp_module, config: Config, info: dict | None = None):
+    """plait.contextparallel's config from the [parallelism] section; with the model's
+    `parallel_info()`, the CPU kernel route of its half-precision attention (plait.models.cpu_bf16
+    decides for the model's head dim; context parallel takes the answer)."""
+    from plait.models import cpu_bf16
+
     p = config.parallelism
+    head_dim = (info or {}).get("attention_heads", {}).get("head_dim")
+    in_fp32 = cpu_bf16.cpu_attends_in_fp32(head_dim) if head_dim is not None else False
     return cp_module.ContextParallelConfig(
-        method=p.cp_method, load_balance=p.cp_load_balance, load_balance_rounds=p.cp_load_balance_rounds
+        method=p.cp_method, load_balance=p.cp_load_balance, load_balance_rounds=p.cp_load_balance_rounds,
+        cpu_half_in_fp32=in_fp32,
     )
 
 

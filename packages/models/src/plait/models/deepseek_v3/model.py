@@ -266,7 +266,8 @@ class Transformer(nn.Module):
             # the output head.
             "edge_units": [["tok_embeddings"], ["norm", "output"]],
             # MLA rebuilds keys and values per head: as many kv heads as query heads.
-            "attention_heads": {"n_heads": self.args.n_heads, "n_kv_heads": self.args.n_heads},
+            "attention_heads": {"n_heads": self.args.n_heads, "n_kv_heads": self.args.n_heads,
+                                "head_dim": self.args.qk_nope_head_dim + self.args.qk_rope_head_dim},
             # Sizes tensor parallel splits: heads, dense and shared-expert FFN hidden, vocab.
             "tp_divisible": {
                 "n_heads": self.args.n_heads,

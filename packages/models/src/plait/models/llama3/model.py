@@ -206,7 +206,8 @@ class Transformer(nn.Module):
             "edge_units": [] if self.args.tie_embeddings else [["tok_embeddings"], ["norm", "output"]],
             # Head counts the attention modules see before tensor parallel (context parallel's
             # all-to-all splits heads over cp ranks).
-            "attention_heads": {"n_heads": self.args.n_heads, "n_kv_heads": self.args.n_kv_heads or self.args.n_heads},
+            "attention_heads": {"n_heads": self.args.n_heads, "n_kv_heads": self.args.n_kv_heads or self.args.n_heads,
+                                "head_dim": self.args.head_dim},
             # Sizes tensor parallel splits: heads and kv heads (whole heads per rank), FFN hidden, vocab.
             "tp_divisible": {
                 "n_heads": self.args.n_heads,
