@@ -4,14 +4,20 @@ scaling on this machine; every figure a ratio measured in this one invocation.
     python benchmarks/suite.py [--steps 10] [--warmup 3] [--rounds 1] [--only NAME,...]
         [--skip-torchtitan] [--no-compile] [--no-results] [TOKENIZER_DIR]
 
-1. Against torchtitan 0.3.0 (same model dims, seq_len, local batch, ranks, steps, bf16 compute
-   with fp32 master weights, no activation checkpointing, causal SDPA attention, the text of
-   plait's built-in corpus), each framework as it comes (eager) and both compiled:
+1. Against torchtitan 0.3.0 with equal work (same model dims, seq_len, local batch, ranks, steps,
+   bf16 compute with fp32 master weights, no activation checkpointing, causal SDPA attention on
+   both sides (torchtitan's Flex has no CPU backward: torchtitan_cpu.py swaps in its own SDPA
+   attention; plait's debug configs are causal), torch's bf16 kernels on both sides (plait with
+   `--training.cpu_bf16 native`), the text of plait's built-in corpus), each framework as it
+   comes (eager) and both compiled:
      llama3-1        Llama 3 debug, seq 512, batch 8, 1 rank
      llama3-fsdp2    Llama 3 debug, seq 512, batch 8 per rank, 2 ranks FSDP
      deepseek-1      DeepSeek-V3 debug, seq 256, batch 4, 1 rank
      deepseek-fsdp2  DeepSeek-V3 debug, 2 ranks FSDP (every rank holds every expert)
      deepseek-ep2    DeepSeek-V3 debug, 2 ranks FSDP 2 x EP 2 (all-to-all dispatch)
+   On a CPU that emulates bf16 (no AVX512-BF16 / AMX / ARM BF16) plait's default route runs its
+   bf16 products through fp32 kernels: that gain is a row of its own (plait auto / plait native,
+   the same configs), never part of the plait / torchtitan ratio.
    Rounds alternate which framework runs first; the first `--warmup` steps are dropped; the
    figure is the median global tokens/s over the kept steps of all rounds. Peak memory per rank:
    the largest resident set of any process of the run (measured outside both frameworks alike).
@@ -141,8 +147,11 @@ def _tail(log: Path, lines: int = 3) -> str:
     return (errors[-1] if errors else " | ".join(text.splitlines()[-lines:]))[:300]
 
 
-def plait_cmd(config: Config, dump: Path, steps: int, compile: bool, profile_at: int = 0) -> list[str]:
-    args = [sys.executable, "-m", "plait.trainer", "--job.dump_folder", str(dump),
+def plait_cmd(config: Config, dump: Path, steps: int, compile: bool, profile_at: int = 0,
+              cpu_bf16: str = "native") -> list[str]:  # fmt: skip
+    """`cpu_bf16`: plait's CPU kernel route (native: torch's bf16 kernels, torchtitan's; auto: the
+    fp32 kernels where this CPU emulates bf16, the route's own row)."""
+    args = [sys.executable, "-m", "plait.trainer", "--job.dump_folder", str(dump), "--training.cpu_bf16", cpu_bf16,
             "--config", f"{config.model}_debugmodel.toml",
             "--training.seq_len", str(config.seq), "--training.local_batch_size", str(config.batch),
             "--training.dtype", "bfloat16", "--training.steps", str(steps),
@@ -163,11 +172,12 @@ def plait_cmd(config: Config, dump: Path, steps: int, compile: bool, profile_at:
     return [*args, *config.extra]
 
 
-def run_plait(config: Config, workdir: Path, name: str, steps: int, warmup: int, compile: bool) -> Run:
+def run_plait(config: Config, workdir: Path, name: str, steps: int, warmup: int, compile: bool,
+              cpu_bf16: str = "native") -> Run:  # fmt: skip
     dump = workdir / name
     log = workdir / f"{name}.log"
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_WAIT_POLICY="PASSIVE")
-    rc, peak = _measured(plait_cmd(config, dump, steps, compile), env, log, workdir)
+    rc, peak = _measured(plait_cmd(config, dump, steps, compile, cpu_bf16=cpu_bf16), env, log, workdir)
     if rc != 0:
         return Run(error=f"exit {rc}: {_tail(log)}")
     rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
@@ -278,14 +288,18 @@ def machine() -> str:
     return f"{cpu}, {cores} cores, {bf16_units()}"
 
 
+def cpu_has_bf16_units() -> bool:
+    """plait's own answer (plait.models.cpu_bf16: x86 AVX512-BF16 / AMX, ARM BF16)."""
+    from plait.models import cpu_bf16
+
+    return cpu_bf16.CPU_BF16_UNITS
+
+
 def bf16_units() -> str:
     """Whether the CPU multiplies bf16 natively: without AVX512-BF16 or AMX, oneDNN emulates it and a
     bf16 matmul took ~5x an fp32 one (Xeon without either, 2026-11-27), so bf16 runs are far more
     matmul-bound there than on a CPU with them: compare bf16 numbers only between such machines."""
-    import torch
-
-    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    return "native bf16 matmul" if native else "no native bf16 matmul (AVX512-BF16 / AMX absent)"
+    return "native bf16 matmul" if cpu_has_bf16_units() else "no native bf16 matmul (AVX512-BF16 / AMX / ARM BF16 absent)"
 
 
 def commit() -> str:
@@ -308,6 +322,17 @@ def report(args, runs: dict[str, Run], profiles: dict[str, dict]) -> str:
             p, t = runs.get(f"plait:{name}:{mode}"), runs.get(f"torchtitan:{name}:{mode}")
             out.append(f"| {name} | {mode} | {_tps(p)} | {_tps(t)} | {_ratio(p, t)} | {_mem(p)} | {_mem(t)} |")
     out.append("")
+    route = [(name, mode) for name in CONFIGS if name in args.names for mode in modes
+             if f"plait-route:{name}:{mode}" in runs]
+    if route:
+        out.append("### The CPU kernel route's own gain (plait `--training.cpu_bf16 auto` / `native`; this CPU "
+                   "emulates bf16, so auto runs the bf16 products and attention through fp32 kernels)\n")
+        out.append("| config | mode | plait auto tok/s | plait native tok/s | auto / native |")
+        out.append("|---|---|---|---|---|")
+        for name, mode in route:
+            a, n = runs.get(f"plait-route:{name}:{mode}"), runs.get(f"plait:{name}:{mode}")
+            out.append(f"| {name} | {mode} | {_tps(a)} | {_tps(n)} | {_ratio(a, n)} |")
+        out.append("")
     out.append("### Where plait's step goes (rank 0, one profiled step; ms)\n")
     out.append("| config | mode | step | " + " | ".join(CATEGORIES) + " | comm total | top ops |")
     out.append("|---|---|---" + "|---" * len(CATEGORIES) + "|---|---|")
@@ -421,6 +446,8 @@ def main() -> None:
             for i, name in enumerate(args.names):
                 config = ALL[name]
                 sides = ["plait"] + (["torchtitan"] if config.torchtitan and use_tt else [])
+                if config.torchtitan and not cpu_has_bf16_units():
+                    sides.append("plait-route")  # the route's gain: a row of its own
                 if (i + round_) % 2:  # alternate who goes first
                     sides.reverse()
                 for compile in modes if config.torchtitan else [False]:
@@ -431,6 +458,8 @@ def main() -> None:
                         t0 = time.time()
                         if side == "plait":
                             run = run_plait(config, workdir, tag, args.steps, args.warmup, compile)
+                        elif side == "plait-route":
+                            run = run_plait(config, workdir, tag, args.steps, args.warmup, compile, cpu_bf16="auto")
                         else:
                             run = run_torchtitan(python, config, workdir, tag, args, compile)
                         _merge(runs.setdefault(key, Run()), run)
