@@ -129,6 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--readme", type=Path, help="rewrite the table between this file's markers")
     parser.add_argument("--only", nargs="*", help="plan these configs only (printing, not the README)")
     args = parser.parse_args(argv)
+    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    if args.readme and dirty:
+        # Nobody types these numbers, and none comes from code that is not committed.
+        print(f"plan_table: refusing to write {args.readme} from a dirty tree (commit first):\n{dirty}", file=sys.stderr)
+        return 2
     names = args.only or list(CONFIGS)
     rows = []
     for name in names:
