@@ -343,14 +343,6 @@ def test_a_plan_reads_no_tokenizer_and_no_dataset(tmp_path, capsys):
     assert json.loads(out.read_text())["vocab_size"] == 2048
 
 
-def test_the_readme_plan_of_deepseek_v3_671B_needs_no_tokenizer(tmp_path, monkeypatch, capsys):
-    """The README's first example, as printed, from a folder without the config's tokenizer file."""
-    monkeypatch.chdir(tmp_path)
-    assert plan_cli.main(["--config", "deepseek_v3_671B.toml", "--plan.world_size", "512"]) == 0
-    table = capsys.readouterr().out
-    assert table.startswith("plait-plan: deepseek_v3 671B on 512 ranks") and "fits in" in table
-
-
 def test_fsdp_chunks_of_a_large_world_are_torchs(tmp_path, monkeypatch, capsys):
     """The planner's FSDP chunks (made only where read) are torch's, for every rank and the 0th,
     and a plan over 128 ranks is the same with torch's own chunks."""
