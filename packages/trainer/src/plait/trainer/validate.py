@@ -129,8 +129,8 @@ def _check_pipeline_settings(config: Config) -> None:
     for key in ("pipeline_microbatch_size", "pipeline_virtual_stages"):
         if getattr(p, key) < 1:
             raise ConfigError(f"parallelism.{key} = {getattr(p, key)}: must be >= 1.")
-    if any(n < 1 for n in p.layers_per_stage):
-        raise ConfigError(f"parallelism.layers_per_stage = {p.layers_per_stage}: every stage needs >= 1 block.")
+    if any(n < 0 for n in p.layers_per_stage):  # 0 is allowed: a stage of only the embedding or the head
+        raise ConfigError(f"parallelism.layers_per_stage = {p.layers_per_stage}: a stage's block count must be >= 0.")
     try:
         from plait.pipelineparallel.config import schedule_name
     except ImportError:  # plait-pipelineparallel not installed (pp > 1 says so itself): torch's names
