@@ -309,6 +309,10 @@ def test_document_masks_are_traced_with_document_boundaries(tmp_path, monkeypatc
     report, table = plan("--plan.document_tokens", "64")
     assert report["documents"] == {"document_tokens": 64, "documents_per_row": 4, "source": "--plan.document_tokens"}
     assert seen == [4] and "document mask: 4 documents of 64 tokens per row" in table
+    # More documents per row than the offsets' first capacity (16): it grows (the 64K config's 32
+    # documents a row failed "the offsets have room for 16" before).
+    report, table = plan("--plan.document_tokens", "8")
+    assert report["documents"]["documents_per_row"] == 32 and seen == [32]
     report, table = plan()
     assert report["documents"]["document_tokens"] == plan_cli.DEFAULT_DOCUMENT_TOKENS == 2048
     assert seen == [1] and "the default" in report["documents"]["source"] and "mean document length 2048" in table

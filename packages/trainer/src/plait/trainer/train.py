@@ -250,6 +250,8 @@ class Trainer:
         labels_BS = labels_BS.to(self.device, non_blocking=True)
         documents = None
         if self.plan.model_args.attention_mask == "document":
+            # Room for this batch too, when no step read it first (a planner's traced step).
+            self._documents_capacity = documents_capacity(row_segments(document_positions_BS), self._documents_capacity)
             documents = to_device_with_segments(document_positions_BS, self.device, self._documents_capacity)
         layout = self.pm.cp_layout
         if layout is None:
