@@ -386,6 +386,14 @@ def _status_before_the_lock(config, code: int) -> None:
 
     if config is None or os.environ.get("RANK", "0") != "0" or os.environ.get(HELD_BY_LAUNCHER):
         return
+    from pathlib import Path
+
+    from . import exit_codes
+
+    # Only over an earlier run's status (a requeued job's): never a new file in a folder that is
+    # not yet a run's (an empty job.dump_folder is the current directory).
+    if not config.job.dump_folder or not (Path(config.job.dump_folder) / exit_codes.STATUS_FILE).is_file():
+        return
 
     RunLock(config.job.dump_folder).write_status_if_free(code)
 
