@@ -25,6 +25,7 @@ log-sum-exp is fp32 either way.
 """
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -147,6 +148,7 @@ def _varlen(q: torch.Tensor) -> bool:
     return _kernel(q) == "cuda_flash"
 
 
+@functools.cache
 def _flash_window(op) -> dict:
     """Causal as this torch's schema states it: window (-1, 0) where `_flash_attention_forward`
     takes window sizes (torch 2.13), `is_causal` alone where it does not (decided by the schema's

@@ -23,6 +23,7 @@ columns sliced off. The log-sum-exp ([H, T], fp32) is an output for the backward
 never differentiated (torch's own varlen_attn drops its gradient).
 """
 
+import functools
 import inspect
 import math
 
@@ -47,8 +48,10 @@ def kernel_route(q: torch.Tensor, head_dim: int | None = None) -> str:
 # ---- the varlen (CUDA) kernel ------------------------------------------------------------------
 
 
-def _schema_names(op) -> set[str]:
-    return {a.name for a in op.default._schema.arguments}
+@functools.cache
+def _schema_names(op) -> frozenset[str]:
+    """The op's argument names, read once (the schema never changes; each call is host work)."""
+    return frozenset(a.name for a in op.default._schema.arguments)
 
 
 def flash_window_kwargs(argument_names) -> dict:
