@@ -152,8 +152,13 @@ def _failure(rc: int, timed_out: bool, timeout: float | None, log: Path) -> dict
 # ---- plait -----------------------------------------------------------------------------------
 
 
+def _batch(name: str, args) -> int:
+    return getattr(args, "batch_16b", 1) if name == "deepseek-16B" else CONFIGS[name][3]
+
+
 def plait_command(name: str, args, dump: Path, mode: str, mask: str) -> list[str]:
     config_file, layers_opt, seq, batch, _ = CONFIGS[name]
+    batch = _batch(name, args)
     cmd = [sys.executable, "-m", "plait.trainer", "--config", config_file, "--job.dump_folder", str(dump),
            "--model.tokenizer_path", "", "--model.n_layers", str(getattr(args, layers_opt)),
            "--training.seq_len", str(seq), "--training.local_batch_size", str(batch),
@@ -238,6 +243,7 @@ def torchtitan_available(args) -> bool:
 
 def torchtitan_command(name: str, args, dump: Path, cuda_graphs: bool = True) -> list[str]:
     _, layers_opt, seq, batch, (module, flavor) = CONFIGS[name]
+    batch = _batch(name, args)
     # torchtitan_gpu.py: torchtitan's trainer plus the reduced depth and a 1B config (see there).
     # Text from the same local folder as plait (no hub); its default selective AC; model and loss
     # compiled as plait compiles its blocks; one GPU, so no expert parallel.
@@ -392,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers-1b", type=int, default=16)
     parser.add_argument("--layers-8b", type=int, default=8)
     parser.add_argument("--layers-16b", type=int, default=4)
+    parser.add_argument("--batch-16b", type=int, default=1,
+                        help="DeepSeek's local batch: at 1 x 4096 tokens its optimizer step outweighs the model")
     parser.add_argument("--modes", default="compile", help=f"comma-separated plait modes of {','.join(MODES)}")
     parser.add_argument("--attention-mask", default="causal",
                         help="causal (torchtitan's default, comparable), document (the shipped configs' masking), "
@@ -449,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
                 result = {"error": "stopped (SIGTERM: the lease's stage limit)"}
             side = TORCHTITAN if mode == "torchtitan" else f"plait {mode}"
             record = {"config": name, "mask": mask, "mode": mode, "framework": side.split()[0],
-                      "seq": CONFIGS[name][2], "steps": args.steps, "warmup": args.warmup,
+                      "seq": CONFIGS[name][2], "batch": _batch(name, args), "steps": args.steps, "warmup": args.warmup,
                       "wall_s": round(time.monotonic() - began, 1), "dry_run": args.dry_run, **result}  # fmt: skip
             if args.json:
                 with open(args.json, "a") as f:

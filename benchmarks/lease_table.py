@@ -151,7 +151,7 @@ def section(out: Path, commit: str | None = None) -> str:
         config, mask, mode = (spec.split(":") + ["?", "?"])[:3]
         if (config, mask, mode) not in done:
             records.append({"config": config, "mask": mask, "mode": mode, "error": "not run: the stage ended first"})
-    dims = {r["config"]: f"{DIMS.get(r['config'], r['config'])}: {r['layers']} layers, seq {r['seq']}"
+    dims = {r["config"]: f"{DIMS.get(r['config'], r['config'])}: {r['layers']} layers, seq {r['seq']}, batch {r.get('batch', 1)}"
             for r in records if "layers" in r and "seq" in r}  # fmt: skip
     varlen = read_jsonl(out / "varlen.jsonl")
     stages = read_stages(out)
@@ -177,7 +177,7 @@ def section(out: Path, commit: str | None = None) -> str:
         parts += [
             "",
             f"Training steps: {'; '.join(dims.values()) or 'no run finished'}; bf16, selective AC, one GPU "
-            f"(no expert parallel), batch 1; {steps} steps, medians "
+            f"(no expert parallel); {steps} steps, medians "
             f"of those after {warmup} warmup (compile, autotuning, CUDA graph recording); peak memory the largest "
             "logged; host ms and GPU busy ms: the last step, profiled (host: its ProfilerStep span; GPU busy: "
             "the union of its kernels, copies and memsets; profiler overhead included). MFU is each "

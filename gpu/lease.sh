@@ -10,7 +10,7 @@
 #
 # Options: --total S (default 520: the whole command), --suite S (150), --varlen S (75); 0 skips a
 # stage. --runs CONFIG:MASK:MODE,... (benchmarks/gpu.py's, in priority order), --steps N --warmup N
-# (10, 4). Arguments after `--` go to pytest (the suite). PLAIT_WHEELS=DIR: another wheel folder
+# (10, 4), --batch-16b N (1: DeepSeek's local batch). Arguments after `--` go to pytest (the suite). PLAIT_WHEELS=DIR: another wheel folder
 # than .whl (its torchtitan/ subfolder likewise). Everything lands in $OUT (default
 # /tmp/plait-gpu; a new temp folder for --dry-run), the only folder a device call brings back:
 #   env.txt, stages.tsv   the machine, torch, commit; each stage's exit code, seconds and limit
@@ -39,7 +39,7 @@
 # checkout's packages go on PYTHONPATH, as gpu/run.py does, so nothing is built there.
 set -u
 cd "$(dirname "$0")/.."
-DRY=0 TOTAL_S=520 SUITE_S=150 VARLEN_S=75 STEPS=10 WARMUP=4
+DRY=0 TOTAL_S=520 SUITE_S=150 VARLEN_S=75 STEPS=10 WARMUP=4 BATCH_16B=1
 RUNS=llama3-8B:causal:compile,llama3-8B:causal:torchtitan,deepseek-16B:causal:compile,deepseek-16B:causal:torchtitan
 RUNS+=,llama3-8B:document:compile,deepseek-16B:document:compile
 RUNS+=,llama3-8B:causal:cudagraphs,llama3-8B:document:cudagraphs,deepseek-16B:causal:cudagraphs,deepseek-16B:document:cudagraphs
@@ -54,6 +54,7 @@ while [ $# -gt 0 ]; do
         --runs) RUNS=$2; shift ;;
         --steps) STEPS=$2; shift ;;
         --warmup) WARMUP=$2; shift ;;
+        --batch-16b) BATCH_16B=$2; shift ;;
         --) shift; PYTEST_ARGS=("$@"); break ;;
         *) echo "gpu/lease.sh: unknown argument $1 (see the header of gpu/lease.sh)" >&2; exit 2 ;;
     esac
@@ -154,7 +155,7 @@ fi
 # ---- bench: plait and torchtitan training steps, in RUNS order, until the budget is spent
 LEFT=$((TOTAL_S - (SECONDS - START) - 30))
 if [ "$LEFT" -gt 60 ]; then
-    BENCH=(--runs "$RUNS" --steps "$STEPS" --warmup "$WARMUP" --profile --no-results --deadline $((LEFT - 25))
+    BENCH=(--runs "$RUNS" --steps "$STEPS" --warmup "$WARMUP" --batch-16b "$BATCH_16B" --profile --no-results --deadline $((LEFT - 25))
            --run-timeout 150 --min-run-s 40 --json "$OUT/bench.jsonl" --logs "$OUT/runs"
            --tt-tokenizer "$(realpath -m "$WHL/torchtitan-tokenizer")")
     [ -n "$TT_SITE" ] && BENCH+=(--torchtitan-path "$TT_SITE")

@@ -93,10 +93,15 @@ def cpu_multiplies_in_fp32(dtype: torch.dtype, device: torch.device | str = "cpu
     return ROUTE == "fp32" or not CPU_BF16_UNITS
 
 
+# Asked once, at import: dynamo on torch 2.11 cannot trace `torch.amp.is_autocast_available`, and a
+# graph break there split every compiled document-masked block in two.
+_AUTOCAST_DEVICES = frozenset(t for t in ("cpu", "cuda", "xpu", "mps", "hpu") if torch.amp.is_autocast_available(t))
+
+
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype a product of `x` computes in: autocast's where it is on for x's device."""
     device_type = x.device.type
-    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+    if device_type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return x.dtype
 
