@@ -29,17 +29,18 @@ SHARED_TORCH = ROOT / ".nox" / "_torch"  # TORCH and its dependencies, shared by
 PACKAGES = {
     "mesh": [],
     "models": [],
+    "data": [],
     "dataparallel": ["mesh"],
     "tensorparallel": ["mesh"],
     "contextparallel": ["mesh"],
     "expertparallel": ["mesh"],
     "pipelineparallel": ["mesh"],
-    "trainer": ["mesh", "models", "dataparallel"],
+    "trainer": ["mesh", "models", "dataparallel", "data"],
 }
 ALL = list(PACKAGES)
 # Sibling packages a package's tests use but the package never imports: installed after its
 # import has been checked alone (the pipeline parity tests run the plait Llama 3 model).
-TEST_ONLY = {"pipelineparallel": ["models"]}
+TEST_ONLY = {"pipelineparallel": ["models"], "data": ["mesh"]}
 
 
 def _install(session: nox.Session, names: list[str], extras: str = "test") -> None:

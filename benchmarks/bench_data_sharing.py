@@ -21,10 +21,10 @@ import threading
 import time
 from pathlib import Path
 
-from plait.trainer.data import build_dataloader, build_tokenizer
-from plait.trainer.data.exchange import ThreadExchange
-from plait.trainer.data.pretokenize import pretokenize
-from plait.trainer.data.sources import builtin_corpus_files
+from plait.data import build_dataloader, build_tokenizer
+from plait.data.exchange import ThreadExchange
+from plait.data.pretokenize import pretokenize
+from plait.data.sources import builtin_corpus_files
 
 BEFORE_COMMIT = "a963098"  # the loader before issue 14
 SEQ, GLOBAL = 1024, 64
@@ -38,7 +38,7 @@ def _old_loader_module(tmp: Path):
                           capture_output=True, text=True, check=True).stdout
     path = tmp / "old_loader.py"
     path.write_text(text)
-    spec = importlib.util.spec_from_file_location("plait.trainer.data._old_loader", path)
+    spec = importlib.util.spec_from_file_location("plait.data._old_loader", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)

@@ -23,7 +23,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 TORCHTITAN_VERSION = "0.3.0"
-CORPUS_DIR = REPO / "packages" / "trainer" / "src" / "plait" / "trainer" / "assets" / "corpus"
+CORPUS_DIR = REPO / "packages" / "data" / "src" / "plait" / "data" / "assets" / "corpus"
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 TT_STEP = re.compile(r"step:\s*(\d+)\s.*?tps:\s*([\d,]+)")
 

@@ -388,7 +388,7 @@ json.dump(a.hf_config(args), open(out + "/config.json", "w"))
         import numpy as np
 
         out = self.root / name
-        subprocess.run([sys.executable, "-m", "plait.trainer.data.pretokenize", "--dataset", "builtin", "--output",
+        subprocess.run([sys.executable, "-m", "plait.data.pretokenize", "--dataset", "builtin", "--output",
                         str(out)], check=True, env=ENV, timeout=300, capture_output=True)  # fmt: skip
         meta = json.loads((out / "meta.json").read_text())
         if damage == "vocab":
@@ -408,7 +408,7 @@ json.dump(a.hf_config(args), open(out + "/config.json", "w"))
     def pretokenize_output_file(self) -> None:
         target = self.root / "notes.txt"
         target.write_text("mine")
-        result = subprocess.run([sys.executable, "-m", "plait.trainer.data.pretokenize", "--dataset", "builtin",
+        result = subprocess.run([sys.executable, "-m", "plait.data.pretokenize", "--dataset", "builtin",
                                  "--output", str(target)], capture_output=True, text=True, env=ENV, timeout=300)  # fmt: skip
         self.add(
             "plait-pretokenize --output naming an existing file",

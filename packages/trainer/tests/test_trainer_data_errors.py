@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from plait.trainer.data import build_dataloader, build_tokenizer
-from plait.trainer.data.sources import DataError, check_readable
+from plait.data import build_dataloader, build_tokenizer
+from plait.data.sources import DataError, check_readable
 
 BAD_FILES = {
     # name: (bytes, the part of the message that names the problem, the fix)

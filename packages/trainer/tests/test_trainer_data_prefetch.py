@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from plait.trainer.data import build_dataloader, build_tokenizer
-from plait.trainer.data.exchange import ThreadExchange
-from plait.trainer.data.prefetch import PrefetchingLoader
+from plait.data import build_dataloader, build_tokenizer
+from plait.data.exchange import ThreadExchange
+from plait.data.prefetch import PrefetchingLoader
 
 SEQ = 64
 
@@ -100,7 +100,7 @@ class _Stalling:
 
 
 def test_a_stop_request_ends_the_wait_for_a_stalled_batch(corpus):
-    from plait.trainer.data.prefetch import POLL_S, DataWaitStopped
+    from plait.data.prefetch import POLL_S, DataWaitStopped
 
     stop = threading.Event()
     src = _Stalling(make(corpus), good=1)

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from plait.trainer.data import build_dataloader, build_tokenizer
-from plait.trainer.data.pretokenize import main as pretokenize_main
-from plait.trainer.data.sources import DataError
+from plait.data import build_dataloader, build_tokenizer
+from plait.data.pretokenize import main as pretokenize_main
+from plait.data.sources import DataError
 
 SEQ, GLOBAL, STEPS = 32, 8, 12
 

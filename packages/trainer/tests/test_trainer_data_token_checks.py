@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from plait.trainer.config import ConfigError, build_config
-from plait.trainer.data import build_dataloader, build_tokenizer
-from plait.trainer.data import pretokenize as pretok
-from plait.trainer.data.sources import DataError
+from plait.data import build_dataloader, build_tokenizer
+from plait.data import pretokenize as pretok
+from plait.data.sources import DataError
 from plait.trainer.validate import validate
 
 
@@ -106,7 +106,7 @@ def test_tokens_bin_not_matching_meta(corpus, tok, tmp_path):
 
 
 def test_another_tokenizer_of_the_same_size(corpus, tok, tmp_path):
-    from plait.trainer.data.tokenizer import read_bpe_ranks, write_bpe_ranks
+    from plait.data.tokenizer import read_bpe_ranks, write_bpe_ranks
 
     path, folder = corpus
     ranks = read_bpe_ranks(tok.model_path)

@@ -7,9 +7,9 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from plait.trainer.data import build_dataloader, build_tokenizer
-from plait.trainer.data.hf_tokenizer import HFTokenizer
-from plait.trainer.data.tokenizer import Tokenizer as TiktokenTokenizer
+from plait.data import build_dataloader, build_tokenizer
+from plait.data.hf_tokenizer import HFTokenizer
+from plait.data.tokenizer import Tokenizer as TiktokenTokenizer
 
 # DeepSeek-V3's special-token names (full-width bars and the lower-one-eighth block).
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"

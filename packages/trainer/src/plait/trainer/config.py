@@ -73,7 +73,7 @@ class DataConfig:
     dataset: str = "builtin"
     """Training dataset: "builtin" (the small corpus shipped with plait-trainer), a local format
     (json, parquet, text, csv, arrow) read from dataset_path, a local path, a hub alias (c4,
-    fineweb, fineweb-edu) or a Hugging Face id "owner/name[:config]" (see plait.trainer.data)."""
+    fineweb, fineweb-edu) or a Hugging Face id "owner/name[:config]" (see plait.data)."""
     dataset_path: str = ""
     """Local file, glob or folder to read the dataset from (local formats, or a local copy of a
     hub dataset)."""

@@ -25,8 +25,8 @@ from plait.models.documents import MIN_DOCUMENTS_PER_ROW, documents_capacity, ro
 from . import exit_codes, rank_notes
 from .checkpoint import CheckpointManager
 from .config import Config, ConfigError, to_toml
-from .data.prefetch import DataWaitStopped, PrefetchingLoader
-from .data.sources import DataError
+from plait.data.prefetch import DataWaitStopped, PrefetchingLoader
+from plait.data.sources import DataError
 from .lr_scheduler import build_lr_scheduler
 from .metrics import MetricsLogger, peak_tflops
 from .moe_step import MoEStep
@@ -119,7 +119,7 @@ def _data_exchange():
     """The ranks that tokenise the data between them: every rank of the job, over a gloo group of
     the data's own (tokens are host data; a prefetch thread must not interleave with training's
     collectives). Collective: every rank calls it at the same point."""
-    from plait.trainer.data.exchange import DistributedExchange, SoloExchange
+    from plait.data.exchange import DistributedExchange, SoloExchange
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return SoloExchange()
@@ -127,7 +127,7 @@ def _data_exchange():
 
 
 def _build_loader(config: Config, plan: RunPlan, meshes, dataset: str, split: str, accumulation: int, exchange):
-    from plait.trainer.data import build_dataloader
+    from plait.data import build_dataloader
 
     t = config.training
     try:

@@ -168,7 +168,7 @@ def _check_data_parallel(config: Config, dims: ParallelDims) -> None:
 
 
 def _check_data(config: Config, read_sources: bool = True) -> None:
-    from plait.trainer.data.sources import check_readable, resolve_source
+    from plait.data.sources import check_readable, resolve_source
 
     d = config.data
     if not 0 <= d.prefetch <= MAX_PREFETCH:
@@ -214,11 +214,11 @@ def _check_checkpoint(config: Config, world_size: int) -> None:
 def _check_token_folder(config: Config, tokenizer):
     """A pre-tokenised folder was written with this run's tokenizer (its meta.json says); its
     documents (None for other sources)."""
-    from plait.trainer.data.sources import TOKENS
+    from plait.data.sources import TOKENS
 
     if config.data.dataset != TOKENS:
         return None
-    from plait.trainer.data.token_files import TokenFileDocuments
+    from plait.data.token_files import TokenFileDocuments
 
     try:
         documents = TokenFileDocuments(config.data.dataset_path, tokenizer, config.job.seed, shuffle=False)
@@ -421,7 +421,7 @@ def validate(config: Config, world_size: int | None = None, check_memory: bool =
     _check_hf_weights(config, model_args)
     _check_hf_export(config, spec, model_args)
 
-    from plait.trainer.data import build_tokenizer
+    from plait.data import build_tokenizer
 
     try:
         tokenizer = build_tokenizer(config.model.tokenizer_path or None) if need_data else None

@@ -148,12 +148,12 @@ def documents_per_row(config, model_args, document_tokens: int | None) -> dict:
 def _data_document_tokens(config) -> int | None:
     """The mean document length of a pre-tokenised folder (its meta.json: cheap); None for any
     other source, or a folder that is not there (a plan reads no data)."""
-    from ..data.sources import TOKENS
+    from plait.data.sources import TOKENS
 
     if config.data.dataset != TOKENS or not config.data.dataset_path:
         return None
     try:
-        from ..data.token_format import read_meta
+        from plait.data.token_format import read_meta
 
         meta = read_meta(config.data.dataset_path)
         return max(1, round(meta["num_tokens"] / meta["num_documents"]))

@@ -44,7 +44,7 @@ HUB_ALIASES = {
 
 
 def builtin_corpus_files() -> dict[str, str]:
-    corpus = resources.files("plait.trainer") / "assets" / "corpus"
+    corpus = resources.files("plait.data") / "assets" / "corpus"
     return {split: str(corpus / f"{split}.jsonl.gz") for split in ("train", "validation")}
 
 

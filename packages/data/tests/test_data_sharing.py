@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch
 
-from plait.trainer.data import build_dataloader, build_tokenizer
-from plait.trainer.data.exchange import ThreadExchange
+from plait.data import build_dataloader, build_tokenizer
+from plait.data.exchange import ThreadExchange
 
 SEQ, GLOBAL, STEPS = 32, 8, 6
 

@@ -26,8 +26,8 @@ def _steps(ld, n):
 def _rank(rank, world, path):
     import torch.distributed as dist
 
-    from plait.trainer.data import build_dataloader, build_tokenizer
-    from plait.trainer.data.exchange import DistributedExchange
+    from plait.data import build_dataloader, build_tokenizer
+    from plait.data.exchange import DistributedExchange
 
     tok = build_tokenizer(None)
     exchange = DistributedExchange(dist.new_group(backend="gloo"))
@@ -39,7 +39,7 @@ def _rank(rank, world, path):
 
 
 def test_two_gloo_ranks_share_tokenising(tmp_path):
-    from plait.trainer.data import build_dataloader, build_tokenizer
+    from plait.data import build_dataloader, build_tokenizer
 
     path = _corpus(tmp_path)
     solo = build_dataloader("json", path, build_tokenizer(None), SEQ, GLOBAL, 1, 0, 1, 0)

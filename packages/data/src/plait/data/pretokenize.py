@@ -1,6 +1,6 @@
 """Tokenise a dataset once into a memory-mapped token folder that `plait-train` reads directly.
 
-    python -m plait.trainer.data.pretokenize --dataset json --dataset-path data/*.jsonl \\
+    python -m plait.data.pretokenize --dataset json --dataset-path data/*.jsonl \\
         --tokenizer tokenizer.json --output tokens/ --num-proc 16
 
 `datasets.map(num_proc=N)` tokenises in N processes (each document as `<bos> text <eos>`, the
@@ -119,7 +119,7 @@ def _write(ids, output: Path, tok) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m plait.trainer.data.pretokenize",
+    parser = argparse.ArgumentParser(prog="python -m plait.data.pretokenize",
                                      description="Tokenise a dataset once into memory-mapped token files.")
     parser.add_argument("--dataset", required=True, help="as data.dataset: builtin, json, parquet, a path, ...")
     parser.add_argument("--dataset-path", default=None)

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
-from plait.trainer.data import tokenizer as llama3
+from plait.data import tokenizer as llama3
 
-ASSETS = Path(__file__).resolve().parents[1] / "src" / "plait" / "trainer" / "assets"
+ASSETS = Path(__file__).resolve().parents[1] / "src" / "plait" / "data" / "assets"
 
 
 def byte_decoder() -> dict[str, int]:

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from plait.trainer.data import build_dataloader, build_tokenizer
-from plait.trainer.data.tokenizer import LLAMA3_SPECIAL_TOKENS, Tokenizer
+from plait.data import build_dataloader, build_tokenizer
+from plait.data.tokenizer import LLAMA3_SPECIAL_TOKENS, Tokenizer
 
 SEQ = 32
 

@@ -7,7 +7,7 @@ windows of `seq_len + 1` tokens. Window i is sequence i of the stream; its first
 tokens are the inputs and its last `seq_len` the labels. Next to them, each input token's offset
 inside its document (`document_positions_BS`: 0 at its `<|begin_of_text|>`; a row that starts
 mid-document continues that document's count), from which document masking cuts a row into
-its documents and per-document RoPE takes its positions (packages/trainer/DATA.md).
+its documents and per-document RoPE takes its positions (packages/data/README.md).
 
 Step k's global batch is sequences [k*G, (k+1)*G) with G = local_batch_size * grad_accum *
 dp_degree. Dp rank r takes the contiguous rows [r*L*A, (r+1)*L*A) (L = local_batch_size,
@@ -143,7 +143,7 @@ def build_dataloader(dataset: str, dataset_path: str | None, tokenizer: Tokenize
                      local_batch_size: int, gradient_accumulation_steps: int, dp_rank: int,
                      dp_degree: int, seed: int, split: str = "train", streaming: bool = False,
                      text_field: str = "text", exchange=None) -> PackedDataLoader:
-    """A packed loader over `dataset` (see `plait.trainer.data.sources` for the names).
+    """A packed loader over `dataset` (see `plait.data.sources` for the names).
 
     Map-style datasets are shuffled per epoch from `seed` for the train split and read in order
     for other splits; streaming datasets are read in order. `exchange`: see PackedDataLoader.

@@ -50,7 +50,7 @@ _RUNS = re.compile(r"\s+|\S+")
 
 def shipped_tokenizer_path() -> str:
     """Path of the small BPE file the project ships (built by scripts/build_tokenizer.py)."""
-    return str(resources.files("plait.trainer") / "assets" / "tokenizer.model")
+    return str(resources.files("plait.data") / "assets" / "tokenizer.model")
 
 
 def read_bpe_ranks(path: str | Path) -> dict[bytes, int]:

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-import plait.trainer.data
-from plait.trainer.data import build_dataloader, build_tokenizer
-from plait.trainer.data.pretokenize import pretokenize
+import plait.data
+from plait.data import build_dataloader, build_tokenizer
+from plait.data.pretokenize import pretokenize
 
 SEQ, BATCH, ACCUM, STEPS = 16, 2, 2, 12
 
@@ -115,7 +115,7 @@ def test_resume_mid_document_continues_the_positions(corpus, kind):
 
 
 def test_positions_of_a_range_from_the_layout():
-    from plait.trainer.data.stream import document_positions
+    from plait.data.stream import document_positions
 
     # Documents [-3, 2), [2, 2) (empty), [2, 6), [6, 20) relative to the next token.
     spans = [(0, None, -3, 2), (1, None, 2, 2), (2, None, 2, 6), (3, None, 6, 20)]
@@ -125,9 +125,9 @@ def test_positions_of_a_range_from_the_layout():
 
 
 def _data_imports() -> dict[str, set[str]]:
-    """Module -> the modules of plait.trainer.data it imports, anywhere in it (function-level
+    """Module -> the modules of plait.data it imports, anywhere in it (function-level
     imports included: a cycle hidden in a function is still a cycle)."""
-    folder = Path(plait.trainer.data.__file__).parent
+    folder = Path(plait.data.__file__).parent
     graph = {}
     for f in sorted(folder.glob("*.py")):
         deps = set()
@@ -136,11 +136,11 @@ def _data_imports() -> dict[str, set[str]]:
                 continue
             if node.level == 1:
                 module = node.module
-            elif node.level == 0 and (node.module or "").startswith("plait.trainer.data"):
-                module = node.module.removeprefix("plait.trainer.data").lstrip(".")
+            elif node.level == 0 and (node.module or "").startswith("plait.data"):
+                module = node.module.removeprefix("plait.data").lstrip(".")
             else:
                 continue
-            # `from . import x` / `from plait.trainer.data import x`: the package, or a submodule x.
+            # `from . import x` / `from plait.data import x`: the package, or a submodule x.
             names = [module.split(".")[0]] if module else [a.name for a in node.names]
             deps |= {n if (folder / f"{n}.py").is_file() else "__init__" for n in names}
         graph[f.stem] = deps - {f.stem}

@@ -35,7 +35,7 @@ def tokenizer_sha256(tokenizer) -> str:
 def read_meta(folder: str | Path) -> dict:
     """meta.json of a token folder, checking the files it describes are there and whole."""
     folder = Path(folder)
-    fix = "write it with python -m plait.trainer.data.pretokenize"
+    fix = "write it with python -m plait.data.pretokenize"
     if not (folder / META_FILE).is_file():
         raise FileNotFoundError(f"{folder} is not a pre-tokenised folder (no {META_FILE}): {fix}")
     try:

@@ -11,7 +11,7 @@ Sources, all part of the standard library of the running interpreter (no third-p
 
 Documents are split deterministically (by a hash of their name) into `train` (~95%) and
 `validation` (~5%) and written as gzipped JSON lines `{"text": ..., "source": ...}` to
-`src/plait/trainer/assets/corpus/{train,validation}.jsonl.gz`, which `datasets` reads with its
+`src/plait/data/assets/corpus/{train,validation}.jsonl.gz`, which `datasets` reads with its
 `json` builder. The shipped files were built with CPython 3.11; rerunning under another version
 gives slightly different text, which is why the files are shipped rather than built at run time.
 """
@@ -28,7 +28,7 @@ import os
 import sysconfig
 from pathlib import Path
 
-ASSETS = Path(__file__).resolve().parents[1] / "src" / "plait" / "trainer" / "assets"
+ASSETS = Path(__file__).resolve().parents[1] / "src" / "plait" / "data" / "assets"
 # Test suites, demos and vendored data are code-heavy or not documentation; skip them.
 SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__",
              "lib2to3", "ensurepip", "turtledemo", "config-3.11-x86_64-linux-gnu"}
