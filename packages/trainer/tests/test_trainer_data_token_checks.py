@@ -10,10 +10,10 @@ import signal
 import numpy as np
 import pytest
 
-from plait.trainer.config import ConfigError, build_config
 from plait.data import build_dataloader, build_tokenizer
 from plait.data import pretokenize as pretok
 from plait.data.sources import DataError
+from plait.trainer.config import ConfigError, build_config
 from plait.trainer.validate import validate
 
 

@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
+from plait.data.pretokenize import main as pretokenize_main
 from plait.trainer.cli import main
 from plait.trainer.config import ConfigError, build_config
-from plait.data.pretokenize import main as pretokenize_main
 from plait.trainer.testing import parity_args, train_in_process
 from plait.trainer.train import Trainer
 from plait.trainer.validate import validate

@@ -18,6 +18,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
 
+from plait.data.prefetch import DataWaitStopped, PrefetchingLoader
+from plait.data.sources import DataError
 from plait.mesh import build_meshes, clip_grad_norm_, destroy_distributed, grad_norm, init_distributed
 from plait.models import cpu_bf16
 from plait.models.documents import MIN_DOCUMENTS_PER_ROW, documents_capacity, row_segments, to_device_with_segments
@@ -25,8 +27,6 @@ from plait.models.documents import MIN_DOCUMENTS_PER_ROW, documents_capacity, ro
 from . import exit_codes, rank_notes
 from .checkpoint import CheckpointManager
 from .config import Config, ConfigError, to_toml
-from plait.data.prefetch import DataWaitStopped, PrefetchingLoader
-from plait.data.sources import DataError
 from .lr_scheduler import build_lr_scheduler
 from .metrics import MetricsLogger, peak_tflops
 from .moe_step import MoEStep
