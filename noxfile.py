@@ -30,12 +30,13 @@ PACKAGES = {
     "mesh": [],
     "models": [],
     "data": [],
+    "checkpoint": ["mesh", "models"],
     "dataparallel": ["mesh"],
     "tensorparallel": ["mesh"],
     "contextparallel": ["mesh"],
     "expertparallel": ["mesh"],
     "pipelineparallel": ["mesh"],
-    "trainer": ["mesh", "models", "dataparallel", "data"],
+    "trainer": ["mesh", "models", "dataparallel", "data", "checkpoint"],
 }
 ALL = list(PACKAGES)
 # Sibling packages a package's tests use but the package never imports: installed after its

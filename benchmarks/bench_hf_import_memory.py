@@ -1,7 +1,7 @@
 """Peak host memory per rank while importing Hugging Face weights into an FSDP model: the previous
 path (every rank reads the whole checkpoint, converts it, casts it to the parameters' dtype and
 scatters it with set_model_state_dict(full_state_dict=True)) against the layer-at-a-time sharded
-import (`plait.trainer.checkpoint.hf_sharded.load_hf_sharded`).
+import (`plait.checkpoint.hf_sharded.load_hf_sharded`).
 
     python benchmarks/bench_hf_import_memory.py                 # 1, 2, 4 ranks
 
@@ -44,8 +44,8 @@ def _rank(rank, world, hf_dir, method):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from plait.checkpoint import hf_export, hf_sharded
     from plait.models.llama3 import Transformer
-    from plait.trainer.checkpoint import hf_export, hf_sharded
 
     ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)
     with torch.device("meta"):

@@ -77,7 +77,8 @@ def test_pp2_sigkill_resume_is_bit_identical_and_the_hf_export_holds_every_stage
     step-2 save and started again with the same command reproduces the uninterrupted run's losses
     exactly; the uninterrupted run's Hugging Face export (each stage's ranks write their layers)
     holds exactly the weights of its last DCP checkpoint."""
-    from plait.trainer.checkpoint.hf_export import read_hf_state, read_model_state, recorded_args
+    from plait.checkpoint.hf_export import read_hf_state, read_model_state
+    from plait.trainer.checkpoint.hf_export import recorded_args
     from plait.trainer.testing import run_cli
 
     args = [*COMMON, "--nproc-per-node", "2", *LAYOUTS[2]]

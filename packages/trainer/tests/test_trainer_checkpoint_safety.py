@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from plait.trainer.checkpoint import hf_export, hf_output, store
+from plait.checkpoint import hf_output, store
+from plait.trainer.checkpoint import hf_export
 from plait.trainer.testing import cli_env, rank_pids, run_cli, start_two_ranks
 
 # fmt: off
@@ -127,8 +128,8 @@ def test_export_writes_new_folders_and_replaces_only_its_own(trained, tmp_path, 
 def test_publish_rechecks_the_output_and_the_sharded_export_refuses_foreign_folders(tmp_path):
     import torch
 
+    from plait.checkpoint import hf_sharded
     from plait.models import get_model_spec
-    from plait.trainer.checkpoint import hf_sharded
 
     (tmp_path / "a-file").write_text("x")  # --output A/B with A a file (fault probe 12): one line
     with pytest.raises(store.CheckpointError, match="which is a file, not a folder"):
@@ -275,8 +276,8 @@ def test_a_failed_save_is_one_line_naming_the_folder_and_keeps_the_last_good_one
 
     import torch.distributed.checkpoint as dcp
 
+    from plait.checkpoint import state
     from plait.trainer import exit_codes
-    from plait.trainer.checkpoint import state
     from plait.trainer.train import exit_code_of
 
     mgr = manager(tmp_path, *(["checkpoint.async_mode", "async"] if where == "async" else []))
@@ -478,7 +479,7 @@ def _one_rank_cannot_write(rank: int, world_size: int, dump: str, failing: str) 
     """2 gloo ranks save step 1, then rank 1's part of step 2 fails: every rank must raise the same line."""
     import errno
 
-    from plait.trainer.checkpoint import state
+    from plait.checkpoint import state
 
     mgr = manager(Path(dump), rank=rank, world_size=world_size)
     mgr.load()
@@ -563,8 +564,8 @@ def test_a_full_disk_during_the_hf_export_is_one_line_and_leaves_nothing(tmp_pat
     import torch
 
     import plait.models.hf.io as hf_io
+    from plait.checkpoint import hf_sharded
     from plait.models import get_model_spec
-    from plait.trainer.checkpoint import hf_sharded
 
     spec = get_model_spec("llama3")
     args = dataclasses.replace(spec.flavors["debugmodel"], n_layers=1, dim=64, n_heads=4, n_kv_heads=4)

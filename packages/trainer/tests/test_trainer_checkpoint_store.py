@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from plait.trainer.checkpoint import store
-from plait.trainer.checkpoint.store import CheckpointError
+from plait.checkpoint import store
+from plait.checkpoint.store import CheckpointError
 from plait.trainer.config import ConfigError, build_config
 from plait.trainer.metrics import _open_jsonl
 from plait.trainer.validate import validate
@@ -112,7 +112,7 @@ def test_checksums_catch_flipped_bytes_and_an_unreadable_rng_file(tmp_path):
     state = {"model": {"w": torch.full((64, 64), 5.0)}}
     with store.single_process_quiet():
         dcp.save(state, checkpoint_id=str(path), no_dist=True)
-    from plait.trainer.checkpoint.state import load_rng, save_rng
+    from plait.checkpoint.state import load_rng, save_rng
 
     save_rng(path, 0)
     names = store.owned_files(path, rank=0, world_size=1)

@@ -63,7 +63,7 @@ def _rank(rank, world, hf_dir, out_dir, tokens):
 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    from plait.trainer.checkpoint import hf_export, hf_sharded
+    from plait.checkpoint import hf_export, hf_sharded
 
     model = _sharded_model(world)
     gc.collect()
@@ -130,10 +130,10 @@ def test_fp8_release_format_through_the_trainer_import(tmp_path):
     sharded files) load into the model dequantised; renamed-only tensors come through slices."""
     import dataclasses
 
+    from plait.checkpoint.hf_sharded import load_hf_sharded
     from plait.models.deepseek_v3 import FLAVORS, Transformer
     from plait.models.hf import deepseek_v3 as adapter
     from plait.models.hf.io import save_safetensors
-    from plait.trainer.checkpoint.hf_sharded import load_hf_sharded
 
     args = dataclasses.replace(FLAVORS["debugmodel"], score_func="sigmoid")
     torch.manual_seed(0)

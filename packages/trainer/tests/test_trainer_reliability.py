@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from plait.trainer.checkpoint import store
+from plait.checkpoint import store
 from plait.trainer.cli import EXIT_CONFIG, EXIT_DIVERGED, EXIT_STOPPED
 from plait.trainer.config import LRSchedulerConfig
 from plait.trainer.lr_scheduler import lr_factor

@@ -71,3 +71,10 @@ def get_model_args(name: str, flavor: str, **overrides: Any) -> Any:
 def build_model(name: str, flavor: str, **overrides: Any) -> nn.Module:
     """model_cls(args) on the current default device; wrap in `torch.device("meta")` for big models."""
     return get_model_spec(name).model_cls(get_model_args(name, flavor, **overrides))
+
+
+def model_args_dict(model_args) -> dict:
+    """A model's arguments as plain TOML / JSON values (nested dataclasses as dicts): what
+    `plait-train --print-config` prints and a checkpoint's marker records."""
+    return {f.name: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v)
+            for f in dataclasses.fields(model_args) for v in [getattr(model_args, f.name)]}

@@ -258,7 +258,7 @@ def _stopped_message(config=None) -> str:
         return f"{stopped}: run the same command to resume."
     from pathlib import Path
 
-    from .checkpoint import store
+    from plait.checkpoint import store
 
     c = config.checkpoint
     if not c.enable:

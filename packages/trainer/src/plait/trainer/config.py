@@ -18,14 +18,16 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
+# A configuration that cannot run: one class for every package that raises it (plait-checkpoint's
+# errors are ConfigErrors too); `plait-train` prints the message (one line) and exits 2.
+from plait.mesh.errors import ConfigError
+
 try:
     import tomllib
 except ImportError:  # Python 3.10
     import tomli as tomllib
 
 
-class ConfigError(ValueError):
-    """A configuration that cannot run; `plait-train` prints the message (one line) and exits 2."""
 
 
 @dataclass
@@ -283,6 +285,16 @@ class MetricsConfig:
     """Print/log every this many steps (the only steps that synchronise with the host)."""
     tensorboard: bool = True
     """Write tensorboard events under <dump_folder>/tb (rank 0)."""
+    wandb: bool = False
+    """Also log the tensorboard scalars to Weights & Biases (rank 0), with this configuration as the
+    run's config; needs `pip install plait-trainer[wandb]`. Its files go under <dump_folder>/wandb
+    unless WANDB_DIR is set; WANDB_MODE=offline logs without a server."""
+    wandb_project: str = ""
+    """W&B project ("": WANDB_PROJECT, else wandb's default)."""
+    wandb_entity: str = ""
+    """W&B entity, a user or team ("": WANDB_ENTITY, else the logged-in user's default)."""
+    wandb_run_name: str = ""
+    """W&B run name ("": WANDB_NAME, else a generated name)."""
     profile_interval: int = 0
     """Write a torch profiler trace of one step every this many steps under <dump_folder>/profile
     (0: off)."""

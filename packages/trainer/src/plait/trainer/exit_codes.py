@@ -18,6 +18,8 @@ import os
 import time
 from pathlib import Path
 
+from plait.mesh.errors import InfrastructureFault  # noqa: F401  (exit INFRA, whichever package raises it)
+
 FINISHED = 0  # the run finished its training.steps (or had nothing left to train)
 ERROR = 1  # an unexpected error (a bug): Python's own code for an uncaught exception, with its traceback
 CONFIG = 2  # a configuration or checkpoint error, one line (also: the dump folder is in use)
@@ -33,9 +35,6 @@ REQUEUE = (INFRA, STOPPED)  # codes a scheduler requeues (and `running` in exit_
 NOT_REQUEUED = (ERROR, CONFIG, DIVERGED, OUT_OF_MEMORY, REPEATED, INTERRUPTED)
 
 
-class InfrastructureFault(Exception):
-    """A fault of the machine, not of the run's settings (a write that failed: disk full,
-    read-only); one line naming what and where, exit INFRA."""
 
 
 STATUS_FILE = "exit_status"

@@ -3,7 +3,8 @@
 Each step's loss and gradient norm stay on the device; every `log_freq` steps (and at the end)
 the window is flushed: one all-reduce of the stacked losses over the data-parallel x cp ranks,
 one device-to-host copy, then one metrics.jsonl line per step, a console line, tensorboard
-scalars and the tqdm bar. Throughput, MFU and memory are window averages (a step's own wall
+scalars (and the same scalars to Weights & Biases under metrics.wandb: wandb_logger.py) and the
+tqdm bar. Throughput, MFU and memory are window averages (a step's own wall
 time is not known without a sync); data-loading time is per step (host time).
 """
 
@@ -23,7 +24,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from plait.models.cpu_bf16 import cpu_multiplies_in_fp32
 
+from .config import Config
 from .exit_codes import InfrastructureFault
+from .wandb_logger import WandbRun
 
 # Dense bf16 peak TFLOP/s per GPU (no sparsity).
 PEAK_TFLOPS_BF16 = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "B200": 2250.0}
@@ -114,7 +117,10 @@ class MetricsLogger:
         total_steps: int,
         progress_bar: bool,
         start_step: int = 0,
+        wandb_config: Config | None = None,
     ):
+        """`wandb_config`: the run's configuration, to also log to Weights & Biases (rank 0) with it as
+        the W&B run's config; None: no W&B."""
         self.rank = rank
         self.dump_folder = dump_folder
         self.world_size = world_size
@@ -127,9 +133,12 @@ class MetricsLogger:
         self.last: dict = {}
         self.jsonl = None
         self.tb = None
+        self.wandb = None
         self.bar = None
         if rank == 0:
             Path(dump_folder).mkdir(parents=True, exist_ok=True)
+            if wandb_config is not None:  # first: if it cannot start, nothing else is open yet
+                self.wandb = WandbRun(wandb_config, dump_folder)
             self.jsonl = _open_jsonl(os.path.join(dump_folder, "metrics.jsonl"), start_step)
             if tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
@@ -222,13 +231,13 @@ class MetricsLogger:
         with self._writing():
             for row in rows:
                 self.jsonl.write(json.dumps(row) + "\n")
-                if self.tb is not None:
-                    for key, value in row.items():
-                        if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                if self.tb is not None or self.wandb is not None:
+                    scalars = _scalars(row)
+                    if self.tb is not None:
+                        for key, value in scalars.items():
                             self.tb.add_scalar(key, value, row["step"])
-                        elif isinstance(value, list):  # per layer: one curve each
-                            for i, v in enumerate(value):
-                                self.tb.add_scalar(f"{key}/{i}", v, row["step"])
+                    if self.wandb is not None:
+                        self.wandb.log(row["step"], scalars)
             self.jsonl.flush()
         last = rows[-1]
         line = (
@@ -258,6 +267,8 @@ class MetricsLogger:
             with self._writing():
                 for key, value in values.items():
                     self.tb.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(step, values)
 
     @contextlib.contextmanager
     def _writing(self):
@@ -272,7 +283,11 @@ class MetricsLogger:
                 "or its disk filled while the run was running?)"
             ) from None
 
-    def close(self) -> None:
+    def close(self, failed: bool | None = None) -> None:
+        """`failed`: whether the run ends by an error (the W&B run is marked failed); None: whether an
+        exception is propagating through the caller's `finally` that calls close()."""
+        if failed is None:
+            failed = sys.exc_info()[0] is not None
         if self.bar is not None:
             self.bar.close()
         if self.tb is not None:
@@ -280,6 +295,22 @@ class MetricsLogger:
                 self.tb.close()
         if self.jsonl is not None:
             self.jsonl.close()
+        if self.wandb is not None:
+            self.wandb.finish(failed)
+            self.wandb = None
+
+
+def _scalars(row: dict) -> dict[str, float]:
+    """A metrics row as the scalars TensorBoard and W&B get: finite numbers by name, a per-layer list
+    as one curve each (`moe_imbalance/0`, ...), the step itself left out (it is the x axis)."""
+    scalars = {}
+    for key, value in row.items():
+        if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+            scalars[key] = value
+        elif isinstance(value, list):  # per layer: one curve each
+            for i, v in enumerate(value):
+                scalars[f"{key}/{i}"] = v
+    return scalars
 
 
 def _extras_to_host(extras: list[dict], device: torch.device) -> list[dict]:

@@ -447,6 +447,7 @@ class Trainer:
             total_steps=t.steps,
             progress_bar=c.metrics.progress_bar,
             start_step=self.step,
+            wandb_config=c if c.metrics.wandb else None,
         )
 
     def _check_finite(self, rows: list[dict]) -> None:

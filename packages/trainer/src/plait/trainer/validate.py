@@ -18,9 +18,11 @@ import torch
 from torch import nn
 
 from plait.mesh import ParallelConfigError, ParallelDims
+from plait.models import model_args_dict  # noqa: F401  (--print-config reads it from here)
 
 from .config import Config, ConfigError, coerce
 from .model_ranges import check_model_args
+from .wandb_logger import check_wandb
 
 # Parallelisms that live in optional packages: degree field -> (import name, pip name, entry point).
 OPTIONAL_PARALLEL = {
@@ -248,8 +250,8 @@ def _check_hf_weights(config: Config, model_args) -> None:
     c = config.checkpoint
     if not (c.initial_load_hf and c.initial_load_path):
         return
-    from plait.trainer.checkpoint.hf_export import check_hf_folder
-    from plait.trainer.checkpoint.store import CheckpointError
+    from plait.checkpoint.hf_export import check_hf_folder
+    from plait.checkpoint.store import CheckpointError
 
     try:
         check_hf_folder(c.initial_load_path, config.model.name, config.model.flavor, model_args)
@@ -363,12 +365,6 @@ def _coerce_model_arg(key: str, tp, value):
     return coerce(key, tp, value)
 
 
-def model_args_dict(model_args) -> dict:
-    """Effective model arguments as plain TOML-able values (for --print-config)."""
-    return {f.name: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v)
-            for f in dataclasses.fields(model_args) for v in [getattr(model_args, f.name)]}
-
-
 def _parallel_dims(config: Config, world_size: int) -> ParallelDims:
     p = config.parallelism
     try:
@@ -407,6 +403,7 @@ def validate(config: Config, world_size: int | None = None, check_memory: bool =
 
     _check_checkpoint(config, world_size)
     _check_folders(config)
+    check_wandb(config)  # metrics.wandb needs wandb importable
     spec = _model_spec(config)
     model_args = resolve_model_args(config, spec)
     seq_len, max_seq_len = config.training.seq_len, model_args.max_seq_len

@@ -8,6 +8,7 @@ WANDB_ENTITY, WANDB_NAME, WANDB_MODE, WANDB_DIR, WANDB_RUN_ID / WANDB_RESUME).
 
 import dataclasses
 import os
+import sys
 
 from .config import Config, ConfigError
 
@@ -42,8 +43,9 @@ class WandbRun:
                 config=dataclasses.asdict(config),
             )
         except Exception as e:  # no API key, no network, a bad entity: one line, not wandb's traceback
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise ConfigError(
-                f"metrics.wandb = true: wandb.init failed ({str(e).strip().splitlines()[0] if str(e).strip() else e!r}): "
+                f"metrics.wandb = true: wandb.init failed ({why}): "
                 "run `wandb login` (or set WANDB_API_KEY), set WANDB_MODE=offline to log without a server, or set "
                 "metrics.wandb = false."
             ) from None
@@ -57,4 +59,10 @@ class WandbRun:
         self.run.log({**scalars, "step": step})
 
     def finish(self, failed: bool = False) -> None:
-        self.run.finish(exit_code=1 if failed else 0)
+        """End the run (marked failed on an error path). Best effort: an upload that fails here must
+        neither turn a finished training into an error nor hide the error that ends a failed one."""
+        try:
+            self.run.finish(exit_code=1 if failed else 0)
+        except Exception as e:
+            print(f"plait-train: wandb: finishing the run failed ({e}); metrics.jsonl holds every row.",
+                  file=sys.stderr, flush=True)

@@ -1,7 +1,7 @@
-"""Distributed checkpoints that never lose a run: atomic DCP saves, resume on any layout, seed
-checkpoints, Hugging Face export (see the README's "Checkpoints" section)."""
+"""plait-train's checkpoint policy over plait-checkpoint: when to save, keep_last, resume rules, the
+train state and the `hf_export` command (see the README's "Checkpoints" section)."""
 
-from .store import CheckpointError
+from plait.checkpoint.store import CheckpointError
 
 __all__ = ["CheckpointError", "CheckpointManager"]
 

@@ -29,9 +29,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from plait.checkpoint import hf_export, hf_output, hf_sharded, state, store
+from plait.checkpoint.store import CheckpointError
+
 from ..config import Config
-from . import hf_export, hf_output, hf_sharded, state, store
-from .store import CheckpointError
+from . import train_state
 
 # Test hooks (the checkpoint tests' only way to die at an exact point): SIGKILL every rank right
 # after the checkpoint of step N is published, or after its files are written but before the marker.
@@ -299,8 +301,8 @@ class CheckpointManager:
         sd[state.TRAIN_STATE] = ""
         self._dcp_load(sd, path)
         state.load_full(self.model, self.optimizer, sd)
-        step, saved_settings = state.load_train_state(sd[state.TRAIN_STATE], self.scheduler, self.loader)
-        changes = state.apply_configured_schedule(self.optimizer, self.scheduler, self.config, saved_settings)
+        step, saved_settings = train_state.load_train_state(sd[state.TRAIN_STATE], self.scheduler, self.loader)
+        changes = train_state.apply_configured_schedule(self.optimizer, self.scheduler, self.config, saved_settings)
         same_layout = meta.get("world_size") == self.dims.world_size and meta.get("layout") == self.layout
         rng = same_layout and self._load_rng(path, meta, step)
         how = "same layout" if same_layout else f"resharded from {meta.get('world_size')} ranks {meta.get('layout')}"
@@ -414,7 +416,7 @@ class CheckpointManager:
             sd = {state.MODEL: state.model_state(self.model)}
         else:
             sd = state.full_state(self.model, self.optimizer)
-            sd[state.TRAIN_STATE] = state.train_state(step, self.scheduler, self.loader, self.config)
+            sd[state.TRAIN_STATE] = train_state.train_state(step, self.scheduler, self.loader, self.config)
         meta = self._meta(step, model_only)
         if background:
             try:

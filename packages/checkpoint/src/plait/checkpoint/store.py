@@ -26,8 +26,7 @@ import warnings
 import zlib
 from pathlib import Path
 
-from ..config import ConfigError
-from ..exit_codes import InfrastructureFault
+from plait.mesh.errors import ConfigError, InfrastructureFault
 
 MARKER = ".complete"
 DCP_METADATA = ".metadata"

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from plait.trainer.checkpoint.store import CheckpointError
+from plait.checkpoint.store import CheckpointError
 
 
 def _llama_folder(tmp_path, change=None, index=False):
@@ -43,7 +43,7 @@ def _llama_folder(tmp_path, change=None, index=False):
 
 
 def _load(folder, model, args, name="llama3", flavor="debugmodel"):
-    from plait.trainer.checkpoint.hf_sharded import load_hf_sharded
+    from plait.checkpoint.hf_sharded import load_hf_sharded
 
     load_hf_sharded(model, folder, name, flavor, args)
 
@@ -156,7 +156,7 @@ def test_exported_files_are_readable_by_others(tmp_path):
     """checkpoint.last_save_in_hf's writer: mode 0644 under umask 022 (safetensors writes 0600)."""
     import os
 
-    from plait.trainer.checkpoint.hf_sharded import export_hf_sharded
+    from plait.checkpoint.hf_sharded import export_hf_sharded
 
     folder, model, args = _llama_folder(tmp_path)
     _load(folder, model, args)

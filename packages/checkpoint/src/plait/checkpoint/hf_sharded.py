@@ -246,7 +246,7 @@ def export_hf_sharded(model: torch.nn.Module, output: str | Path, model_name: st
     """Write `model` as a Hugging Face folder from all ranks (collective: every rank calls it)."""
     from plait.models.hf.io import INDEX_FILE, save_file_like_open
 
-    spec, args = hf_export._spec_and_args(model_name, flavor, model_args)
+    spec, args = hf_export.spec_and_args(model_name, flavor, model_args)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     # Rank 0 checks the output (a new or empty folder, or an earlier export: hf_output.py) and
