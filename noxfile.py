@@ -121,9 +121,11 @@ def parity_table(session: nox.Session) -> None:
 
 @nox.session(tags=["test", "lint"])
 def lint(session: nox.Session) -> None:
-    """ruff over every package, the cross-package tests and this file."""
+    """ruff over every package, the cross-package tests and this file; DESIGN.md's import layers."""
     session.install("ruff")
     session.run("ruff", "check", "packages", "tests", "gpu", "benchmarks", "tools", "noxfile.py")
+    # DESIGN.md's import layers: allowed packages, no plait.testing at runtime, no import cycles.
+    session.run("python", "tools/import_layers.py")
 
 
 @nox.session(python=False, tags=["test"])

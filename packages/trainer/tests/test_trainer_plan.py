@@ -10,6 +10,7 @@ import pytest
 from plait.trainer import cli as train_cli
 from plait.trainer.config import ConfigError
 from plait.trainer.plan import cli as plan_cli
+from plait.trainer.plan import planning
 
 SMALL = ["--model.n_layers", "2", "--training.local_batch_size", "2", "--training.seq_len", "64"]
 
@@ -287,7 +288,7 @@ def _token_folder(path, lengths):
 def test_document_masks_are_traced_with_document_boundaries(tmp_path, monkeypatch, capsys):
     """--plan.document_tokens, or a pre-tokenised folder's mean, or the default: the traced rows
     hold seq_len / that many documents (pp too), shown in the JSON and the printed assumptions."""
-    from plait.trainer.plan import trace
+    from plait.trainer.plan import trace, traced_step
 
     seen = []
     real = trace.micro_batch
@@ -297,6 +298,7 @@ def test_document_masks_are_traced_with_document_boundaries(tmp_path, monkeypatc
         return real(config, seq_len, documents_per_row)
 
     monkeypatch.setattr(trace, "micro_batch", spy)
+    monkeypatch.setattr(traced_step, "micro_batch", spy)  # the pipeline trace's
     document = ["--job.dump_folder", str(tmp_path), *SMALL, "--training.seq_len", "256",
                 "--model.attention_mask", "document"]
     out = tmp_path / "plan.json"
@@ -314,7 +316,7 @@ def test_document_masks_are_traced_with_document_boundaries(tmp_path, monkeypatc
     report, table = plan("--plan.document_tokens", "8")
     assert report["documents"]["documents_per_row"] == 32 and seen == [32]
     report, table = plan()
-    assert report["documents"]["document_tokens"] == plan_cli.DEFAULT_DOCUMENT_TOKENS == 2048
+    assert report["documents"]["document_tokens"] == planning.DEFAULT_DOCUMENT_TOKENS == 2048
     assert seen == [1] and "the default" in report["documents"]["source"] and "mean document length 2048" in table
     folder = _token_folder(tmp_path / "tokens", [32, 32, 32, 32])  # mean 32 tokens
     report, _ = plan("--data.dataset", "tokens", "--data.dataset_path", str(folder), "--data.val_interval", "0")
@@ -389,9 +391,9 @@ def test_a_plan_of_100_000_ranks_takes_seconds_and_a_larger_world_than_the_bound
     assert time.perf_counter() - start < 60
     assert json.loads(out.read_text())["layout"]["dp_shard"] == 100000
     capsys.readouterr()
-    for argv in (["--plan.world_size", "1000000000"], ["--plan.world_size", str(plan_cli.MAX_WORLD_SIZE + 1)],
-                 ["--plan.search", "--plan.world_size", str(2 * plan_cli.MAX_WORLD_SIZE)],
-                 ["--parallelism.dp_shard", str(plan_cli.MAX_WORLD_SIZE), "--parallelism.tp", "2"]):
+    for argv in (["--plan.world_size", "1000000000"], ["--plan.world_size", str(planning.MAX_WORLD_SIZE + 1)],
+                 ["--plan.search", "--plan.world_size", str(2 * planning.MAX_WORLD_SIZE)],
+                 ["--parallelism.dp_shard", str(planning.MAX_WORLD_SIZE), "--parallelism.tp", "2"]):
         assert plan_cli.main(["--job.dump_folder", str(tmp_path), *argv]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("plait-plan: error: --plan.world_size = ") and "at most 1,048,576 ranks" in err

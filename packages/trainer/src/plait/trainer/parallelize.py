@@ -17,6 +17,7 @@ from torch import nn
 
 from plait.mesh import Meshes, ParallelConfigError
 
+from . import pipeline
 from .activation_checkpoint import apply_activation_checkpointing
 from .config import Config, ConfigError
 from .fsdp_tp import fsdp_post_forward_first
@@ -88,74 +89,113 @@ def parallelize(config: Config, plan: RunPlan, meshes: Meshes, device: torch.dev
         raise ConfigError(str(e).splitlines()[0]) from None
 
 
+@dataclass
+class _Part:
+    """One module to parallelise: the whole model, or one pipeline stage (pipeline.py)."""
+
+    module: nn.Module
+    blocks: list[str]
+    edge_units: tuple | list
+    tp_plan: dict
+    attention_modules: list[str]
+    experts: list[str]
+
+
 def _parallelize(config: Config, plan: RunPlan, meshes: Meshes, device: torch.device) -> ParallelModel:
-    from plait.dataparallel import apply_data_parallel, autocast_context
     from plait.dataparallel.config import data_parallel_mode
 
-    if meshes.dims.pp > 1:
-        from .pipeline import parallelize_pipeline
-
-        return parallelize_pipeline(config, plan, meshes, device)
     model, info = plan.model, plan.info
-    blocks = list(info["blocks"])
     if plan.full_init:
         _init(model, device, config.job.seed)
+    elif device.type == "cpu" and meshes.dims.world_size > 1 and not config.checkpoint.initial_load_path:
+        # DTensor's random ops need a device RNG with offsets (CUDA-like); on CPU every rank
+        # would draw the same numbers for its own shard.
+        print("plait-train: warning: model.init = sharded on CPU gives every shard the same random "
+              "numbers; use model.init = full, or start from a seed checkpoint "
+              "(--checkpoint.create_seed_checkpoint, then --checkpoint.initial_load_path).", flush=True)  # fmt: skip
+    stages = None
+    if meshes.dims.pp > 1:
+        stages = pipeline.split_stages(config, plan, meshes)
+        parts = [_Part(s.module, s.blocks, s.edge_units, pipeline.stage_plan(info.get("tp_plan", {}), s.module),
+                       pipeline.owned(info.get("attention_modules", []), s.module),
+                       pipeline.owned(info.get("experts", ()), s.module)) for s in stages]  # fmt: skip
+        # Micro-batches reuse the gathered parameters between their forward and backward, and torch
+        # 2.13's zero-bubble schedules lose weight gradients when FSDP reshards after forward.
+        dp_config = replace(data_parallel_config(config), reshard_after_forward="never")
+    else:
+        parts = [_Part(model, list(info["blocks"]), info.get("edge_units", ()), info.get("tp_plan", {}),
+                       info.get("attention_modules", []), list(info.get("experts", ())))]  # fmt: skip
+        dp_config = data_parallel_config(config, device.type)
+    dp_mode = data_parallel_mode(meshes.dims, dp_config)
+    loss_parallel, cp_layout, dispatchers, wrapped = False, None, {}, None
+    for part in parts:
+        part_loss_parallel, part_layout, part_dispatchers, wrapped = _parallelize_part(
+            config, plan, meshes, device, part, dp_config, dp_mode
+        )
+        loss_parallel = loss_parallel or part_loss_parallel
+        cp_layout = part_layout if part_layout is not None else cp_layout  # the same on every stage
+        dispatchers.update(part_dispatchers or {})
+    if stages is not None:
+        wrapped = model = pipeline.StageUnion([s.module for s in stages])
+    return ParallelModel(wrapped, model, dp_mode, _autocast(config, meshes, dp_config, dp_mode, device),
+                         loss_parallel, cp_layout, dispatchers or None, stages=stages)  # fmt: skip
 
-    loss_parallel = False
-    if meshes.dims.tp > 1:
+
+def _parallelize_part(config: Config, plan: RunPlan, meshes: Meshes, device: torch.device, part: _Part,
+                      dp_config, dp_mode: str):  # fmt: skip
+    """TP, CP, EP, activation checkpointing, compile per block, data parallel and (sharded) init on
+    one part, in that order: (loss parallel, the CP sequence layout, the EP dispatchers, the
+    module to call)."""
+    from plait.dataparallel import apply_data_parallel
+
+    module, info, dims = part.module, plan.info, meshes.dims
+    loss_parallel, cp_layout, dispatchers = False, None, None
+    if dims.tp > 1:
         tp = plan.parallel_modules["tp"]
         tp_cfg = tp_config(tp, config)
-        if meshes.dims.ep > 1 and meshes.dims.etp == 1:
+        if dims.ep > 1 and dims.etp == 1:
             # Expert parallel keeps these experts whole (etp = 1) and owns them.
             tp_cfg = replace(tp_cfg, external_modules=tuple(info["experts"]))
-        tp.apply_tensor_parallel(model, meshes.tp, info["tp_plan"], tp_cfg)
-        loss_parallel = tp.uses_loss_parallel(info["tp_plan"], tp_cfg, meshes.dims.tp)
-    cp_layout, dispatchers = None, None
-    if meshes.dims.cp > 1:
+        tp.apply_tensor_parallel(module, meshes.tp, part.tp_plan, tp_cfg)
+        loss_parallel = tp.uses_loss_parallel(info["tp_plan"], tp_cfg, dims.tp)
+    if dims.cp > 1:
         cp = plan.parallel_modules["cp"]
-        cp_layout = cp.apply_context_parallel(model, meshes.cp, info["attention_modules"], cp_config(cp, config, info))
-    if meshes.dims.ep > 1:
+        cp_layout = cp.apply_context_parallel(module, meshes.cp, part.attention_modules, cp_config(cp, config, info))
+    if dims.ep > 1 and part.experts:
         # dp2ep: routed experts sharded on E over the ep ranks (borrowed from dp_shard x cp); data
         # parallel then shards them over what is left (efsdp).
         ep = plan.parallel_modules["ep"]
+        overlap = info.get("expert_overlap")
         dispatchers = ep.apply_expert_parallel(
-            model, meshes.ep, info["experts"], ep_config(ep, config), tp_mesh=meshes.tp, ep_etp_mesh=meshes.ep_etp,
-            overlap_modules=info.get("expert_overlap"),
+            module, meshes.ep, part.experts, ep_config(ep, config), tp_mesh=meshes.tp, ep_etp_mesh=meshes.ep_etp,
+            overlap_modules=None if overlap is None else {k: v for k, v in overlap.items() if k in part.experts},
         )
-
     apply_activation_checkpointing(
-        model, blocks, config.training.activation_checkpoint, config.training.activation_checkpoint_every
+        module, part.blocks, config.training.activation_checkpoint, config.training.activation_checkpoint_every
     )
     if config.training.compile:
-        for path in blocks:
-            model.get_submodule(path).compile(**compile_kwargs(config.training))
-
-    dp_config = data_parallel_config(config, device.type)
-    dp_mode = data_parallel_mode(meshes.dims, dp_config)
+        for path in part.blocks:
+            module.get_submodule(path).compile(**compile_kwargs(config.training))
     wrapped = apply_data_parallel(
-        model, meshes, blocks, dp_config, expert_modules=info.get("experts", ()),
-        edge_units=info.get("edge_units", ()) if dp_mode in ("fsdp", "hsdp") else (),
-    )
-    if meshes.dims.tp > 1 and dp_mode in ("fsdp", "hsdp"):
-        fsdp_post_forward_first(model)  # no "returned a view tensor" warning (fsdp_tp.py)
+        module, meshes, part.blocks, dp_config, expert_modules=part.experts,
+        edge_units=part.edge_units if dp_mode in ("fsdp", "hsdp") else (),
+    )  # fmt: skip
+    if dims.tp > 1 and dp_mode in ("fsdp", "hsdp"):
+        fsdp_post_forward_first(module)  # no "returned a view tensor" warning (fsdp_tp.py)
     if not plan.full_init:
-        if device.type == "cpu" and meshes.dims.world_size > 1 and not config.checkpoint.initial_load_path:
-            # DTensor's random ops need a device RNG with offsets (CUDA-like); on CPU every rank
-            # would draw the same numbers for its own shard.
-            print(
-                "plait-train: warning: model.init = sharded on CPU gives every shard the same random "
-                "numbers; use model.init = full, or start from a seed checkpoint "
-                "(--checkpoint.create_seed_checkpoint, then --checkpoint.initial_load_path).",
-                flush=True,
-            )
-        _init(model, device, config.job.seed)
+        _init(module, device, config.job.seed)
+    return loss_parallel, cp_layout, dispatchers, wrapped
 
-    autocast = None
+
+def _autocast(config: Config, meshes: Meshes, dp_config, dp_mode: str, device: torch.device):
+    """For forward + loss, or None: where no sharding policy casts the parameters to bf16."""
+    from plait.dataparallel import autocast_context
+
     dtype = _dtype(config)
-    if dtype != torch.float32:
-        if meshes.dims.world_size == 1:
-            autocast = autocast_context(meshes, dp_config, device.type)
-        elif dp_mode == "none":
-            # Tensor parallel alone has no sharding policy to cast parameters: autocast instead.
-            autocast = torch.autocast(device.type, dtype=dtype)
-    return ParallelModel(wrapped, model, dp_mode, autocast, loss_parallel, cp_layout, dispatchers)
+    if dtype == torch.float32:
+        return None
+    if meshes.dims.world_size == 1:
+        return autocast_context(meshes, dp_config, device.type)
+    if dp_mode == "none":  # tensor (or pipeline) parallel alone: autocast, as the one-rank run does
+        return torch.autocast(device.type, dtype=dtype)
+    return None

@@ -108,7 +108,7 @@ def trace_pipeline_step(config, plan, meshes, device, shims, documents_per_row: 
     from ..pipeline import build_trainer_pipeline
     from .collectives import CollectiveCounter, axis_names
     from .host_ops import HostOpCounter
-    from .trace import (
+    from .traced_step import (
         FIRST_OPTIMIZER_STEP,
         MICRO,
         STEP,

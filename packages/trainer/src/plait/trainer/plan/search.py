@@ -216,7 +216,7 @@ def _trace_in_child(config, plan_args) -> dict:
 
     from .. import lr_scheduler, moe_step, optimizer, parallelize, train  # noqa: F401
     from . import report, trace  # noqa: F401
-    from .cli import make_plan
+    from .planning import make_plan
 
     ctx = multiprocessing.get_context("fork")
     receive, send = ctx.Pipe(duplex=False)
@@ -246,7 +246,7 @@ def search(config, plan_args, progress=None) -> SearchResult:
     """Enumerate, validate, prune and trace (module docstring); `progress(line)` hears each trace."""
     from ..memory_estimate import estimate_memory
     from ..validate import validate
-    from .cli import PlanArgs
+    from .planning import PlanArgs
 
     world = plan_args.world_size
     if not world:

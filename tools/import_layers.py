@@ -1,0 +1,146 @@
+"""The import rules of DESIGN.md ("Packages and who may import whom"), checked on the source:
+
+  * a package imports only the plait packages DESIGN.md allows it (ALLOWED below);
+  * runtime code (packages/*/src) never imports plait.testing;
+  * no two modules of one package import each other, directly or round a longer circle, counting
+    imports inside functions too (a cycle hidden in a function is still a cycle).
+
+    python tools/import_layers.py          one line per problem, exit 1 if any (the lint session)
+
+`problems(root)` returns them for a test (tests/test_combo_import_layers.py), which also shows
+that a deliberately added cycle fails.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PARALLEL = {"dataparallel", "tensorparallel", "contextparallel", "expertparallel", "pipelineparallel"}
+# package -> the plait packages it may import (DESIGN.md); a package not listed may import none.
+ALLOWED = {
+    "mesh": set(),
+    "models": set(),
+    **{p: {"mesh"} for p in PARALLEL},
+    "data": {"mesh"},
+    "checkpoint": {"mesh", "models"},
+    "trainer": {"mesh", "models", "data", "checkpoint"} | PARALLEL,
+    "plan": {"mesh", "models", "data", "checkpoint", "trainer"} | PARALLEL,
+    "testing": {"mesh"},
+}
+
+
+def _modules(src: Path) -> dict[str, Path]:
+    """Dotted module name -> file, for every module under src/plait."""
+    found = {}
+    for f in sorted((src / "plait").rglob("*.py")):
+        parts = list(f.relative_to(src).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = f
+    return found
+
+
+def _imports(module: str, file: Path, is_package: bool) -> set[str]:
+    """Every plait module `module` imports, anywhere in it, as absolute dotted names: for
+    `from X import name`, X.name (a submodule, if it is one; resolved against the known modules later)."""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    out = set()
+    for node in ast.walk(ast.parse(file.read_text(), str(file))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("plait.")}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                anchor = base[: len(base) - node.level + 1]
+                target = ".".join(anchor + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target == "plait" or target.startswith("plait."):
+                # X.name: the submodule where it is one, else X itself (_resolve walks up)
+                out |= {f"{target}.{a.name}" for a in node.names}
+    return out
+
+
+def _resolve(name: str, known: dict[str, Path]) -> str | None:
+    """The module `name` refers to: itself, or the longest known module above it (an attribute
+    imported from a package is an import of its __init__)."""
+    while name:
+        if name in known:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles: Tarjan's strongly connected components with more than one module."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def problems(root: Path = ROOT) -> list[str]:
+    found = []
+    for src in sorted((root / "packages").glob("*/src")):
+        package = src.parent.name
+        known = _modules(src)
+        own = f"plait.{package}"
+        graph: dict[str, set[str]] = {}
+        for module, file in known.items():
+            edges = set()
+            for name in _imports(module, file, file.name == "__init__.py"):
+                top = name.split(".")[1] if name.count(".") else None
+                if top is None:
+                    continue
+                if top != package:
+                    if top == "testing" or (top not in ALLOWED.get(package, set()) and top in ALLOWED):
+                        found.append(f"{file.relative_to(root)}: plait.{package} imports plait.{top}, "
+                                     f"which DESIGN.md does not allow (it may import: "
+                                     f"{', '.join(sorted(ALLOWED.get(package, ()))) or 'no plait package'})")
+                    continue
+                target = _resolve(name, known)
+                if target and target != module and target.startswith(own):
+                    edges.add(target)
+            graph[module] = edges
+        for cycle in _cycles(graph):
+            found.append(f"packages/{package}: import cycle among {', '.join(cycle)} (DESIGN.md: no two modules "
+                         "of one package import each other; move the shared part into a module both import)")
+    return found
+
+
+def main() -> int:
+    found = problems()
+    for line in found:
+        print(line)
+    print(f"import_layers: {len(found)} problem(s)" if found else "import_layers: the DESIGN.md layers hold")
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
