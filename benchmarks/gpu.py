@@ -1,17 +1,23 @@
 """GPU benchmark for one H100/H200: tokens/s, MFU and peak memory of plait-train (and of
-torchtitan 0.3.0 where it is installed), bf16, torch.compile, selective activation checkpointing.
+torchtitan 0.3.0 or 0.2.2 where it is installed), bf16, torch.compile, selective activation checkpointing.
 
     python benchmarks/gpu.py [--steps 30] [--warmup 10] [--only llama3-1B,llama3-8B,deepseek-16B]
         [--layers-8b 8] [--layers-1b 16] [--layers-16b 4] [--modes compile] [--attention-mask causal]
         [--profile] [--no-results]
     python benchmarks/gpu.py --runs llama3-8B:causal:compile,llama3-8B:causal:torchtitan,... \\
         [--deadline S] [--run-timeout S] [--json OUT.jsonl] [--logs DIR] [--torchtitan-path DIR]
-        [--tt-tokenizer DIR] [--dry-run]
+        [--torchtitan-022-path DIR] [--torchtitan-version auto|0.3.0|0.2.2] [--tt-tokenizer DIR] [--dry-run]
 
 `--modes eager,compile,cudagraphs` runs plait once per mode (cudagraphs: training.compile_mode =
 reduce-overhead, each compiled block replayed as a CUDA graph; docs/cuda_graphs.md), torchtitan
 once, compiled (and, torchtitan 0.3.0's default on CUDA, its forward-backward captured as one CUDA
-graph). `--attention-mask causal,document` runs each mode with each mask.
+graph; 0.2.2 has none). `--attention-mask causal,document` runs each mode with each mask.
+
+Which torchtitan: the one that fits the running torch, decided once at start (`--torchtitan-version
+auto`): 0.3.0 where `torch.distributed.fsdp` has `DataParallelMeshDims` (torch >= 2.12; 0.3.0
+imports it), else 0.2.2, the last release without it (0.2.2's own CLI: TOML job configs, `--model.*`
+flavors; benchmarks/torchtitan_gpu.py drives either). Each torchtitan record says which ran
+(`torchtitan_version`), and the tables name it.
 
 `--runs` lists the runs instead, in the order given, each `config:mask:mode` with mode one of
 eager, compile, cudagraphs or torchtitan (causal only): what gpu/lease.sh passes, most wanted
@@ -39,14 +45,15 @@ layer costs what it costs in a real run). Each run is a `plait-train` subprocess
 medians over the steps after the warmup (compile and autotuning). `--profile` profiles the last
 step of each run, plait's and torchtitan's (its own profiler): host time of that step next to the
 time the GPU was busy in it. torchtitan runs when `import torchtitan` works, or from
-`--torchtitan-path` (a folder put first on its runs' PYTHONPATH only: gpu/lease.sh installs
-torchtitan's wheels there, with the older `datasets` it pins); the table says where it did not.
+`--torchtitan-path` (0.3.0) / `--torchtitan-022-path` (0.2.2): a folder put first on its runs'
+PYTHONPATH only (gpu/lease.sh installs each version's wheels into one, with the older `datasets`
+0.3.0 pins); the table says where it did not.
 With results on, a dated section (GPU, commit, torch) is prepended to benchmarks/RESULTS.md.
 
 `--dry-run` (gpu/lease.sh --dry-run, on a CPU) builds every command line and checks it: plait's
-with plait-train's own parser and validation, torchtitan's with torchtitan's own parser (when
-`--torchtitan-path` holds it); then, instead of running them, reads the recorded sample outputs in
-benchmarks/lease_samples/ (a metrics.jsonl, torchtitan log lines, two Chrome traces with kernel
+with plait-train's own parser and validation, torchtitan's with torchtitan's own parser (when the
+chosen version's folder holds it); then, instead of running them, reads the recorded sample outputs
+in benchmarks/lease_samples/ (a metrics.jsonl, torchtitan log lines, two Chrome traces with kernel
 events) through the same parsers as a real run. Its figures are those samples, not measurements.
 """
 
@@ -76,10 +83,10 @@ from profile_summary import device_busy  # noqa: E402
 
 SAMPLES = HERE / "lease_samples"
 TT_TOKENIZER = REPO / ".." / "shared" / "bench" / "torchtitan-tokenizer"
-TORCHTITAN = "torchtitan 0.3.0"
+TORCHTITAN_VERSIONS = ("0.3.0", "0.2.2")  # newest first: 0.3.0 needs torch >= 2.12
 
 CONFIGS = {
-    # name -> (plait config file, layers option, seq_len, local batch, torchtitan module/flavor)
+    # name -> (plait config file, layers option, seq_len, local batch, torchtitan module/config)
     "llama3-1B": ("llama3_1B.toml", "layers_1b", 8192, 1, ("llama3", "llama3_1b")),
     "llama3-8B": ("llama3_8B.toml", "layers_8b", 8192, 1, ("llama3", "llama3_8b")),
     "deepseek-16B": ("deepseek_v3_16B.toml", "layers_16b", 4096, 1, ("deepseek_v3", "deepseek_v3_16b")),
@@ -235,26 +242,65 @@ def run_plait(name: str, args, workdir: Path, mode: str = "compile", mask: str |
 # ---- torchtitan ------------------------------------------------------------------------------
 
 
+def choose_torchtitan(args) -> tuple[str, Path | None]:
+    """(the torchtitan version its runs take, its site folder or None for this python's own),
+    decided once: `--torchtitan-version`, or by default the one this torch runs: 0.3.0 imports
+    `torch.distributed.fsdp.DataParallelMeshDims` (new in torch 2.12), 0.2.2 does not. Without
+    either folder, the torchtitan this python imports (its version from its dist-info)."""
+    version = args.torchtitan_version
+    if version == "auto":
+        import torch.distributed.fsdp as fsdp
+
+        version = "0.3.0" if hasattr(fsdp, "DataParallelMeshDims") else "0.2.2"
+    path = {"0.3.0": args.torchtitan_path, "0.2.2": args.torchtitan_022_path}[version]
+    if path is None and args.torchtitan_path is None and args.torchtitan_022_path is None:
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as installed
+
+        try:
+            version = installed("torchtitan") if args.torchtitan_version == "auto" else version
+        except PackageNotFoundError:
+            pass
+    return version, path
+
+
+def _legacy(args) -> bool:
+    """torchtitan 0.2.x: its CLI (TOML job config, --model.flavor, --job.*, --profiling.*)."""
+    return args.tt_version.startswith(("0.1.", "0.2."))
+
+
 def torchtitan_available(args) -> bool:
-    if args.torchtitan_path:
-        return (Path(args.torchtitan_path) / "torchtitan").is_dir()
+    if args.tt_path:
+        return (Path(args.tt_path) / "torchtitan").is_dir()
+    if args.torchtitan_path or args.torchtitan_022_path:  # only the other version's folder given
+        return False
     return importlib.util.find_spec("torchtitan") is not None
 
 
 def torchtitan_command(name: str, args, dump: Path, cuda_graphs: bool = True) -> list[str]:
-    _, layers_opt, seq, batch, (module, flavor) = CONFIGS[name]
+    _, layers_opt, seq, batch, (module, config) = CONFIGS[name]
     batch = _batch(name, args)
     # torchtitan_gpu.py: torchtitan's trainer plus the reduced depth and a 1B config (see there).
     # Text from the same local folder as plait (no hub); its default selective AC; model and loss
     # compiled as plait compiles its blocks; one GPU, so no expert parallel.
-    cmd = [sys.executable, str(HERE / "torchtitan_gpu.py"), "--layers", str(getattr(args, layers_opt)),
-           "--module", module, "--config", flavor, "--hf_assets_path", str(args.tt_tokenizer),
-           "--dataloader.dataset", "c4_test", "--dataloader.dataset_path", str(CORPUS_DIR),
-           "--dump_folder", str(dump), "--training.seq_len", str(seq), "--training.local_batch_size", str(batch),
-           "--training.steps", str(args.steps), "--metrics.log_freq", "1",
-           "--compile.enable", "--compile.components", "model,loss"]  # fmt: skip
+    cmd = [sys.executable, str(HERE / "torchtitan_gpu.py"), "--layers", str(getattr(args, layers_opt))]
+    common = ["--training.seq_len", str(seq), "--training.local_batch_size", str(batch),
+              "--training.steps", str(args.steps), "--metrics.log_freq", "1",
+              "--compile.enable", "--compile.components", "model,loss"]  # fmt: skip
     if module == "deepseek_v3":
-        cmd += ["--parallelism.expert_parallel_degree", "1"]
+        common += ["--parallelism.expert_parallel_degree", "1"]
+    if _legacy(args):  # 0.2.2: its job config by name (torchtitan_gpu.py holds them), its own sections
+        cmd += ["--config", config, "--model.hf_assets_path", str(args.tt_tokenizer),
+                "--training.dataset", "c4_test", "--training.dataset_path", str(CORPUS_DIR),
+                "--job.dump_folder", str(dump), *common]  # fmt: skip
+        if args.profile:  # its own profiler, the last step, traces where 0.3.0 writes them
+            cmd += ["--profiling.enable_profiling", "--profiling.profile_freq", str(args.steps),
+                    "--profiling.profiler_warmup", str(min(3, args.steps - 1)),
+                    "--profiling.save_traces_folder", "profiling/traces"]  # fmt: skip
+        return cmd
+    cmd += ["--module", module, "--config", config, "--hf_assets_path", str(args.tt_tokenizer),
+            "--dataloader.dataset", "c4_test", "--dataloader.dataset_path", str(CORPUS_DIR),
+            "--dump_folder", str(dump), *common]  # fmt: skip
     if not cuda_graphs:
         cmd += ["--training.disable_cuda_graphs"]
     if args.profile:  # its own profiler, the last step: wait, warmup (<= 3), one active step
@@ -267,14 +313,15 @@ def _torchtitan_env(args) -> dict:
     env = dict(os.environ, WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                MASTER_ADDR="127.0.0.1", MASTER_PORT="29591", PYTHONUNBUFFERED="1",
                HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")  # fmt: skip
-    if args.torchtitan_path:  # first, for these runs only: its `datasets` never meets plait's
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(args.torchtitan_path), env.get("PYTHONPATH")]))
+    if args.tt_path:  # first, for these runs only: its `datasets` never meets plait's
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(args.tt_path), env.get("PYTHONPATH")]))
     return env
 
 
 def _fake_torchtitan_outputs(dump: Path, log: Path, args, parsed: str | None) -> None:
     """--dry-run: the recorded sample log (its first line, what the parse configured, replaced by
-    the real parse's where there was one) and the sample trace, gzipped as torchtitan writes it."""
+    the real parse's where there was one) and the sample trace, written as that torchtitan writes
+    it (0.3.0 gzipped, 0.2.2 plain)."""
     sample = (SAMPLES / "torchtitan.log").read_text().replace("DUMP", str(dump)).splitlines()
     if parsed:
         sample[0] = parsed
@@ -282,8 +329,11 @@ def _fake_torchtitan_outputs(dump: Path, log: Path, args, parsed: str | None) ->
     if args.profile:
         folder = dump / "profiling" / "traces" / f"iteration_{args.steps}"
         folder.mkdir(parents=True, exist_ok=True)
-        with gzip.open(folder / "rank0_trace.json.gz", "wt") as f:  # torchtitan writes them gzipped
-            f.write((SAMPLES / "torchtitan_trace.json").read_text())
+        if _legacy(args):
+            shutil.copy(SAMPLES / "torchtitan_trace.json", folder / "rank0_trace.json")
+        else:
+            with gzip.open(folder / "rank0_trace.json.gz", "wt") as f:  # 0.3.0 writes them gzipped
+                f.write((SAMPLES / "torchtitan_trace.json").read_text())
 
 
 def _check_torchtitan_command(cmd: list[str], args, log: Path) -> tuple[dict | None, str | None]:
@@ -300,8 +350,10 @@ def _check_torchtitan_command(cmd: list[str], args, log: Path) -> tuple[dict | N
 def run_torchtitan(name: str, args, workdir: Path, timeout: float | None = None, deadline=None) -> dict:
     available = torchtitan_available(args)
     if not available and not args.dry_run:
-        where = f"in {args.torchtitan_path}" if args.torchtitan_path else "here"
-        return {"error": f"torchtitan not installed {where}"}
+        flag = "--torchtitan-022-path" if _legacy(args) else "--torchtitan-path"
+        other = args.torchtitan_path or args.torchtitan_022_path  # only the other version's folder given
+        where = f"in {args.tt_path}" if args.tt_path else f"(no {flag})" if other else "here"
+        return {"error": f"torchtitan {args.tt_version} not installed {where}"}
     dump = workdir / f"tt-{name}"
     log = workdir / f"tt-{name}.log"
     cmd = torchtitan_command(name, args, dump)
@@ -320,7 +372,8 @@ def run_torchtitan(name: str, args, workdir: Path, timeout: float | None = None,
         rc, timed_out = _run(cmd, _torchtitan_env(args), log, timeout)
         left = deadline() if deadline else None
         capture = r"is capturing|StreamCapture|graph capture|capture_(begin|end)"
-        graph_failed = rc != 0 and not timed_out and re.search(capture, log.read_text(errors="replace"), re.I)
+        graph_failed = (rc != 0 and not timed_out and not _legacy(args)
+                        and re.search(capture, log.read_text(errors="replace"), re.I))  # fmt: skip
         if graph_failed and (left is None or left >= args.min_run_s):
             # Its default whole-step CUDA graph did not capture: once more without it.
             _keep_log(log, args)
@@ -341,9 +394,11 @@ def run_torchtitan(name: str, args, workdir: Path, timeout: float | None = None,
                     key=lambda p: int(p.parent.name.split("_")[-1])) if args.profile else []  # fmt: skip
     busy = device_busy(traces[-1]) if traces else None
     graphs = re.search(r"torchtitan_gpu\.py: .*CUDA graphs (True|False)", text)
+    attention = re.search(r"torchtitan_gpu\.py: .*, attention (.+)", text)
+    mode = "compile + whole-step CUDA graph" if graphs and graphs.group(1) == "True" else "compile"
     return {
         "busy": busy,
-        "tt_mode": "compile + whole-step CUDA graph" if graphs and graphs.group(1) == "True" else "compile",
+        "tt_mode": f"{mode}; attention {attention.group(1).strip()}" if attention else mode,
         "tokens_per_second": statistics.median(tps) if tps else float("nan"),
         "mfu": statistics.median(mfu) / 100 if mfu else float("nan"),
         "memory_gib": max(mem) if mem else float("nan"),
@@ -414,7 +469,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-timeout", type=float, default=240, help="seconds one run may take")
     parser.add_argument("--json", type=Path, help="append one JSON record per run")
     parser.add_argument("--logs", type=Path, help="keep each run's last lines here")
-    parser.add_argument("--torchtitan-path", type=Path, help="torchtitan's site folder, for its runs only")
+    parser.add_argument("--torchtitan-path", type=Path, help="torchtitan 0.3.0's site folder, for its runs only")
+    parser.add_argument("--torchtitan-022-path", type=Path, help="torchtitan 0.2.2's site folder, likewise")
+    parser.add_argument("--torchtitan-version", choices=("auto", *TORCHTITAN_VERSIONS), default="auto",
+                        help="auto: 0.3.0 where this torch has what it imports (torch >= 2.12), else 0.2.2")
     parser.add_argument("--tt-tokenizer", type=Path, default=TT_TOKENIZER, help="torchtitan's tokenizer folder")
     parser.add_argument("--dry-run", action="store_true",
                         help="no GPU: check the command lines, read benchmarks/lease_samples/ as their outputs")
@@ -427,6 +485,12 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--attention-mask {mask!r}: one of {','.join(MASKS)}")
     runs = parse_runs(args)
     import torch
+
+    if any(mode == "torchtitan" for _, _, mode in runs):
+        args.tt_version, args.tt_path = choose_torchtitan(args)
+        print(f"[gpu] torchtitan {args.tt_version} for torch {torch.__version__}: "
+              f"{args.tt_path or ('this python' if torchtitan_available(args) else 'not installed')}",
+              flush=True)  # fmt: skip
 
     if args.dry_run:
         gpu = "dry run (no GPU: sample outputs)"
@@ -455,7 +519,9 @@ def main(argv: list[str] | None = None) -> int:
                     result = run_plait(name, args, Path(tmp), mode, mask, timeout=timeout)
             except _Stopped:
                 result = {"error": "stopped (SIGTERM: the lease's stage limit)"}
-            side = TORCHTITAN if mode == "torchtitan" else f"plait {mode}"
+            side = f"torchtitan {args.tt_version}" if mode == "torchtitan" else f"plait {mode}"
+            if mode == "torchtitan":
+                result = {"torchtitan_version": args.tt_version, **result}
             record = {"config": name, "mask": mask, "mode": mode, "framework": side.split()[0],
                       "seq": CONFIGS[name][2], "batch": _batch(name, args), "steps": args.steps, "warmup": args.warmup,
                       "wall_s": round(time.monotonic() - began, 1), "dry_run": args.dry_run, **result}  # fmt: skip

@@ -30,7 +30,7 @@ DIMS = {
 }
 MODE_ORDER = ("eager", "compile", "cudagraphs", "torchtitan")
 MODE_NAMES = {"eager": "plait eager", "compile": "plait compile", "cudagraphs": "plait CUDA graphs"}
-TORCHTITAN = "torchtitan 0.3.0"
+TORCHTITAN_VERSION = "0.3.0"  # records before benchmarks/gpu.py wrote `torchtitan_version` ran this one
 
 
 def read_env(out: Path) -> dict[str, str]:
@@ -86,7 +86,9 @@ def _num(value, fmt: str) -> str:
 
 def _label(r: dict) -> str:
     if r["mode"] == "torchtitan":
-        return f"{TORCHTITAN} ({r['tt_mode']})" if r.get("tt_mode") else TORCHTITAN
+        version = r.get("torchtitan_version", TORCHTITAN_VERSION)  # "": not known (a run never started)
+        name = f"torchtitan {version}" if version else "torchtitan"
+        return f"{name} ({r['tt_mode']})" if r.get("tt_mode") else name
     return MODE_NAMES.get(r["mode"], f"plait {r['mode']}")
 
 
@@ -147,10 +149,12 @@ def section(out: Path, commit: str | None = None) -> str:
              if dry else f"## GPU lease, {date} (`gpu/lease.sh`)")  # fmt: skip
     records = read_jsonl(out / "bench.jsonl")
     done = {(r["config"], r["mask"], r["mode"]) for r in records}
+    tt_version = next((r["torchtitan_version"] for r in records if r.get("torchtitan_version")), "")
     for spec in filter(None, env.get("runs", "").split(",")):  # planned, no record: the stage ended first
         config, mask, mode = (spec.split(":") + ["?", "?"])[:3]
         if (config, mask, mode) not in done:
-            records.append({"config": config, "mask": mask, "mode": mode, "error": "not run: the stage ended first"})
+            records.append({"config": config, "mask": mask, "mode": mode, "error": "not run: the stage ended first",
+                            **({"torchtitan_version": tt_version} if mode == "torchtitan" else {})})  # fmt: skip
     dims = {r["config"]: f"{DIMS.get(r['config'], r['config'])}: {r['layers']} layers, seq {r['seq']}, batch {r.get('batch', 1)}"
             for r in records if "layers" in r and "seq" in r}  # fmt: skip
     varlen = read_jsonl(out / "varlen.jsonl")
@@ -181,8 +185,9 @@ def section(out: Path, commit: str | None = None) -> str:
             f"of those after {warmup} warmup (compile, autotuning, CUDA graph recording); peak memory the largest "
             "logged; host ms and GPU busy ms: the last step, profiled (host: its ProfilerStep span; GPU busy: "
             "the union of its kernels, copies and memsets; profiler overhead included). MFU is each "
-            "framework's own formula; tokens/s compare. torchtitan runs causal attention with its flavor's "
-            f"defaults at the same depth. {not_run} run(s) not started for the budget.",
+            "framework's own formula; tokens/s compare. torchtitan (the version that fits the lease's torch, "
+            "named in its rows) runs its flavor's attention defaults (in its rows where it said) at the same "
+            f"depth. {not_run} run(s) not started for the budget.",
             "",
             *bench_table(records),
         ]

@@ -1,29 +1,224 @@
-"""Run torchtitan 0.3.0's trainer on one GPU at a reduced depth, for benchmarks/gpu.py.
+"""Run torchtitan's trainer (0.3.0, or 0.2.2) on one GPU at a reduced depth, for benchmarks/gpu.py.
 
-    python torchtitan_gpu.py --layers N --module M --config C <torchtitan args>
+    python torchtitan_gpu.py --layers N --module M --config C <torchtitan 0.3.0 args>
+    python torchtitan_gpu.py --layers N --config C <torchtitan 0.2.2 args>
     python torchtitan_gpu.py --check-args --layers N ...      parse only (gpu/lease.sh --dry-run)
 
+Which of the two it drives is the torchtitan that `import torchtitan` finds (gpu.py puts the one
+that fits the running torch first on PYTHONPATH: 0.3.0 needs torch >= 2.12, 0.2.2 runs before).
 torchtitan builds a flavor's layer list in Python, so its command line cannot shorten a shipped
 model, and it ships no Llama 3 1B trainer config. This launcher adds both and touches nothing else:
 
-  * `--layers N` keeps the first N blocks of the flavor's layer list (DeepSeek-V3: the dense ones
-    first, as plait's `--model.n_layers` does). Their inits stay the full model's depth-scaled
-    ones, which a throughput run does not notice.
-  * `--config llama3_1b`: torchtitan's Llama 3 8B trainer config (bf16 FSDP, selective AC) with
-    its own Llama 3.2 1B model and that model's vocabulary for the loss.
+  * `--layers N` keeps the first N blocks of the flavor (DeepSeek-V3: the dense ones first, as
+    plait's `--model.n_layers` does). Their inits stay the full model's depth-scaled ones, which a
+    throughput run does not notice. 0.3.0: the flavor's layer list cut; 0.2.2: the flavor's model
+    args' `n_layers` (its DeepSeek-V3 builds blocks 0..n_dense_layers-1 dense, the rest MoE).
+  * `--config llama3_1b`: torchtitan's Llama 3 8B trainer config (bf16, selective AC) with a Llama
+    3.2 1B model and, in 0.3.0, that model's vocabulary for the loss. 0.2.2 has no 1B flavor: one
+    is registered with Llama 3.2 1B's dims (untied output: 0.2.2's Llama 3 ties no weights).
+  * 0.2.2 only: `--config C` names its job config (`llama3_8b`, `llama3_1b`, `deepseek_v3_16b`).
+    0.2.2 reads them from TOML files (`--job.config_file`) that its wheel does not ship; the
+    values of its repository's torchtitan/models/<model>/train_configs/<C>.toml at v0.2.2 are
+    below and stand in for the file (a `--job.config_file` given still wins).
 
 Everything else is torchtitan's own CLI (gpu.py passes the local text folder, the tokenizer, the
 sequence length, batch, steps, compile and, for DeepSeek-V3 on one GPU, expert parallel 1).
 It prints one line of what the parse configured (layers, seq, compile, torchtitan's whole-step
-CUDA graph on or off: its flavors' own default), which gpu.py reads. `--check-args` parses the
-rest with torchtitan's own parser (these additions included), prints that line and exits without
-training: the lease's dry run checks its command lines on a CPU.
+CUDA graph on or off: 0.3.0's flavors' own default; 0.2.2 has none; and the torchtitan version),
+which gpu.py reads. `--check-args` parses the rest with torchtitan's own parser (these additions
+included), prints that line and exits without training (0.2.2: after building the model on the
+meta device, to show the blocks kept): the lease's dry run checks its command lines on a CPU.
+
+On one GPU (data-parallel degree 1) 0.3.0 still wraps the model in FSDP (bf16 parameters for
+compute, fp32 kept), while 0.2.2 applies no FSDP there and runs the step under bf16 autocast over
+fp32 parameters: each version's own one-GPU default.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
+import types
+from pathlib import Path
+
+# torchtitan 0.2.2's job configs: its repository's train_configs at v0.2.2 (comments dropped).
+_LLAMA3_8B_022 = """
+[job]
+dump_folder = "./outputs"
+description = "Llama 3 8B training"
+
+[profiling]
+enable_profiling = true
+save_traces_folder = "profile_trace"
+profile_freq = 100
+
+[metrics]
+log_freq = 10
+enable_tensorboard = true
+save_tb_folder = "tb"
+
+[model]
+name = "llama3"
+flavor = "8B"
+hf_assets_path = "./assets/hf/Llama-3.1-8B"
+
+[optimizer]
+name = "AdamW"
+lr = 3e-4
+eps = 1e-8
+
+[lr_scheduler]
+warmup_steps = 200
+
+[training]
+local_batch_size = 1
+seq_len = 8192
+max_norm = 1.0
+steps = 1000
+dataset = "c4"
+
+[parallelism]
+data_parallel_replicate_degree = 1
+data_parallel_shard_degree = -1
+tensor_parallel_degree = 1
+pipeline_parallel_degree = 1
+context_parallel_degree = 1
+
+[checkpoint]
+enable = false
+folder = "checkpoint"
+interval = 500
+last_save_model_only = true
+export_dtype = "float32"
+async_mode = "disabled"
+
+[compile]
+enable = false
+components = ["model", "loss"]
+
+[activation_checkpoint]
+mode = "selective"
+selective_ac_option = "op"
+
+[quantize.linear.float8]
+enable_fsdp_float8_all_gather = false
+precompute_float8_dynamic_scale_for_fsdp = false
+filter_fqns = ["output"]
+
+[validation]
+enable = false
+dataset = "c4_validation"
+freq = 500
+steps = 1200
+"""
+
+_DEEPSEEK_V3_16B_022 = """
+[job]
+dump_folder = "./outputs"
+description = "DeepSeek-V3 16B model training"
+print_config = false
+
+[profiling]
+enable_profiling = false
+save_traces_folder = "profile_trace"
+profile_freq = 10
+enable_memory_snapshot = false
+save_memory_snapshot_folder = "memory_snapshot"
+
+[metrics]
+log_freq = 10
+disable_color_printing = false
+enable_tensorboard = false
+save_tb_folder = "tb"
+enable_wandb = false
+
+[model]
+name = "deepseek_v3"
+flavor = "16B"
+hf_assets_path = "./assets/hf/deepseek-moe-16b-base"
+
+[optimizer]
+name = "AdamW"
+lr = 2.2e-4
+eps = 1e-8
+
+[lr_scheduler]
+warmup_steps = 200
+decay_ratio = 0.8
+decay_type = "cosine"
+min_lr_factor = 0.1
+
+[training]
+local_batch_size = 4
+seq_len = 4096
+max_norm = 1.0
+steps = 1000
+dataset = "c4"
+
+[parallelism]
+data_parallel_replicate_degree = 1
+data_parallel_shard_degree = -1
+fsdp_reshard_after_forward = "default"
+tensor_parallel_degree = 1
+enable_async_tensor_parallel = false
+pipeline_parallel_degree = 1
+pipeline_parallel_schedule = "Interleaved1F1B"
+expert_parallel_degree = 8
+expert_tensor_parallel_degree = 1
+
+[checkpoint]
+enable = false
+folder = "checkpoint"
+interval = 10
+last_save_model_only = true
+export_dtype = "float32"
+async_mode = "disabled"
+
+[activation_checkpoint]
+mode = "selective"
+selective_ac_option = 'op'
+
+[compile]
+enable = true
+components = ["loss"]
+
+[quantize.linear.float8]
+enable_fsdp_float8_all_gather = false
+precompute_float8_dynamic_scale_for_fsdp = false
+filter_fqns = ["output", "router.gate"]
+
+[quantize.grouped_mm.float8]
+fqns = ["experts"]
+"""
+
+
+def torchtitan_version() -> str:
+    """The version of the torchtitan that `import torchtitan` finds, without importing it (0.2.2's
+    import pulls in triton): its dist-info, else its layout (0.3.0 has torchtitan/trainer.py)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torchtitan")
+    except PackageNotFoundError:
+        spec = importlib.util.find_spec("torchtitan")
+        if spec is None:
+            raise SystemExit("torchtitan_gpu.py: torchtitan is not importable") from None
+        return "0.3.0" if (Path(spec.origin).parent / "trainer.py").exists() else "0.2.2"
+
+
+def _legacy(version: str) -> bool:
+    """torchtitan before 0.3: TOML job configs, TrainSpec model args (0.2.2's API)."""
+    return version.startswith(("0.1.", "0.2."))
+
+
+def _configured(layers: int, t, compile_: bool, graphs: bool, profiling: bool, version: str, extra: str = "") -> None:
+    print(f"torchtitan_gpu.py: {layers} layers, seq {t.seq_len}, batch {t.local_batch_size}, {t.steps} steps, "
+          f"compile {compile_}, CUDA graphs {graphs}, profiling {profiling}, torchtitan {version}{extra}",
+          flush=True)  # fmt: skip
+
+
+# ---- torchtitan 0.3.0 -------------------------------------------------------------------------
 
 
 def _add_llama3_1b() -> None:
@@ -40,13 +235,9 @@ def _add_llama3_1b() -> None:
     registry.llama3_1b = llama3_1b
 
 
-def install(argv: list[str]) -> None:
-    """Make torchtitan's ConfigManager parse `argv` with this launcher's two additions."""
+def _install_030(known: argparse.Namespace, rest: list[str], version: str) -> None:
     from torchtitan.config import ConfigManager
 
-    ours = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    ours.add_argument("--layers", type=int)
-    known, rest = ours.parse_known_args(argv)
     _add_llama3_1b()
     parse = ConfigManager.parse_args
 
@@ -58,32 +249,180 @@ def install(argv: list[str]) -> None:
                 raise SystemExit(f"--layers {known.layers}: the flavor has {len(layers)} layers")
             config.model_spec.model.layers = layers[: known.layers]
         t = config.training
-        print(f"torchtitan_gpu.py: {len(config.model_spec.model.layers)} layers, seq {t.seq_len}, batch "
-              f"{t.local_batch_size}, {t.steps} steps, compile {config.compile.enable}, CUDA graphs "
-              f"{not t.disable_cuda_graphs}, profiling {config.profiler.enable_profiling}", flush=True)
+        _configured(len(config.model_spec.model.layers), t, config.compile.enable, not t.disable_cuda_graphs,
+                    config.profiler.enable_profiling, version)  # fmt: skip
         return config
 
     ConfigManager.parse_args = parse_args
+
+
+# ---- torchtitan 0.2.2 -------------------------------------------------------------------------
+
+_JOB_CONFIGS_022 = {"llama3_8b": _LLAMA3_8B_022, "llama3_1b": _LLAMA3_8B_022, "deepseek_v3_16b": _DEEPSEEK_V3_16B_022}
+
+
+def _job_config_022(name: str) -> dict:
+    import tomllib
+
+    if name not in _JOB_CONFIGS_022:
+        raise SystemExit(f"--config {name}: torchtitan 0.2.2 runs here one of {', '.join(_JOB_CONFIGS_022)}")
+    values = tomllib.loads(_JOB_CONFIGS_022[name])
+    if name == "llama3_1b":
+        values["job"]["description"] = "Llama 3.2 1B training"
+        values["model"].update(flavor="1B", hf_assets_path="./assets/hf/Llama-3.2-1B")
+    return values
+
+
+def _add_llama3_1b_022() -> None:
+    """Llama 3.2 1B as a flavor of 0.2.2's Llama 3 (its HF config's dims and RoPE scaling)."""
+    from torchtitan.models.llama3 import llama3_args
+    from torchtitan.models.llama3.model.args import RoPEScalingArgs, TransformerModelArgs
+
+    llama3_args.setdefault("1B", TransformerModelArgs(
+        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256,
+        rope_theta=500000, rope_scaling_args=RoPEScalingArgs(scaling_factor=32.0)))  # fmt: skip
+
+
+def _model_args_022(config):
+    """The flavor's model args object the trainer will build from (get_train_spec hands out the
+    model package's own flavor table, so a change here is what the trainer sees)."""
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    flavors = get_train_spec(config.model.name).model_args
+    if config.model.flavor not in flavors:
+        raise SystemExit(f"--model.flavor {config.model.flavor}: {config.model.name} has {', '.join(flavors)}")
+    return flavors[config.model.flavor]
+
+
+def _install_022(known: argparse.Namespace, rest: list[str], version: str) -> None:
+    from torchtitan.config import ConfigManager
+
+    values = _job_config_022(known.config) if known.config else None
+    load, parse = ConfigManager._maybe_load_toml, ConfigManager.parse_args
+
+    def _maybe_load_toml(self, args):
+        return load(self, args) or values  # a --job.config_file given wins
+
+    def parse_args(self, args=None):
+        config = parse(self, rest)
+        model_args = _model_args_022(config)
+        if known.layers is not None:
+            if not 0 < known.layers <= model_args.n_layers:
+                raise SystemExit(f"--layers {known.layers}: the flavor has {model_args.n_layers} layers")
+            model_args.n_layers = known.layers
+        attention = f"{getattr(model_args, 'attn_type', '?')} {getattr(model_args, 'attn_mask_type', '?')}"
+        _configured(model_args.n_layers, config.training, config.compile.enable, False,
+                    config.profiling.enable_profiling, version, f", attention {attention}")  # fmt: skip
+        return config
+
+    _add_llama3_1b_022()
+    ConfigManager._maybe_load_toml = _maybe_load_toml
+    ConfigManager.parse_args = parse_args
+
+
+def _check_model_022(config) -> None:
+    """--check-args: build the cut model on the meta device, as the trainer will, and say which
+    blocks it kept (dense / MoE) and its parameter count."""
+    import torch
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    model_args = _model_args_022(config)
+    model_args.update_from_config(config)
+    with torch.device("meta"):
+        model = get_train_spec(config.model.name).model_cls(model_args)
+    moe = sum(1 for block in model.layers.values() if getattr(block, "moe_enabled", False))
+    params = sum(p.numel() for p in model.parameters())
+    print(f"torchtitan_gpu.py check: built on meta: {len(model.layers)} blocks ({len(model.layers) - moe} dense, "
+          f"{moe} MoE), {params / 1e9:.2f} B parameters", flush=True)  # fmt: skip
+
+
+def _triton_stub() -> None:
+    """0.2.2 imports its MoE Triton kernels (torchtitan/models/moe/kernels.py) with `import
+    torchtitan` itself. On a CPU without triton (the dry run) that one module executes with a stub
+    `triton` in sys.modules, taken out again right after, so nothing else (torch's inductor
+    included) ever sees it. No kernel runs in a parse."""
+    import importlib.abc
+    import importlib.machinery
+
+    if importlib.util.find_spec("triton") is not None:
+        return
+    kernels = "torchtitan.models.moe.kernels"
+
+    class Stub(types.ModuleType):
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return Stub(name)
+
+        def __call__(self, *args, **kwargs):  # triton.jit(fn) is fn; any other call a stub
+            return args[0] if len(args) == 1 and callable(args[0]) and not kwargs else self
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name != kernels:
+                return None
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                stub = Stub("triton")
+                stub.language = Stub("triton.language")
+                sys.modules["triton"], sys.modules["triton.language"] = stub, stub.language
+                try:
+                    run(module)
+                finally:
+                    del sys.modules["triton"], sys.modules["triton.language"]
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, Finder())
+
+
+# ---- both -------------------------------------------------------------------------------------
+
+
+def install(argv: list[str]) -> str:
+    """Make torchtitan's ConfigManager parse `argv` with this launcher's additions; the torchtitan
+    version found."""
+    ours = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    ours.add_argument("--layers", type=int)
+    version = torchtitan_version()
+    if _legacy(version):  # 0.3.0's --config is its own option: left in `rest` there
+        ours.add_argument("--config")
+    known, rest = ours.parse_known_args(argv)
+    (_install_022 if _legacy(version) else _install_030)(known, rest, version)
+    return version
 
 
 def check(argv: list[str]) -> None:
     """Parse `argv` as a run would, print what it configured (install's line), train nothing."""
     import torch
 
-    if not torch.cuda.is_available():
+    version = torchtitan_version()
+    if _legacy(version):
+        _triton_stub()
+    elif not torch.cuda.is_available():
         import torchtitan_cpu  # noqa: F401  (its triton stub lets the MoE models import without triton)
     install(argv)
     from torchtitan.config import ConfigManager
 
-    ConfigManager().parse_args()
+    config = ConfigManager().parse_args()
+    if _legacy(version):
+        _check_model_022(config)
 
 
 if __name__ == "__main__":
     if "--check-args" in sys.argv:
         check([a for a in sys.argv[1:] if a != "--check-args"])
         sys.exit(0)
-    install(sys.argv[1:])
-    from torchtitan.train import main
+    if _legacy(install(sys.argv[1:])):
+        from torchtitan.train import Trainer, main
 
-    sys.argv[0] = "torchtitan.train"
-    main()
+        sys.argv[0] = "torchtitan.train"
+        main(Trainer)
+    else:
+        from torchtitan.train import main
+
+        sys.argv[0] = "torchtitan.train"
+        main()

@@ -10,8 +10,10 @@
 #
 # Options: --total S (default 520: the whole command), --suite S (150), --varlen S (75); 0 skips a
 # stage. --runs CONFIG:MASK:MODE,... (benchmarks/gpu.py's, in priority order), --steps N --warmup N
-# (10, 4), --batch-16b N (1: DeepSeek's local batch). Arguments after `--` go to pytest (the suite). PLAIT_WHEELS=DIR: another wheel folder
-# than .whl (its torchtitan/ subfolder likewise). Everything lands in $OUT (default
+# (10, 4), --batch-16b N (1: DeepSeek's local batch), --torchtitan-version auto|0.3.0|0.2.2 (auto:
+# the one that fits the torch; a dry run here checks 0.2.2's command lines with 0.2.2's parser).
+# Arguments after `--` go to pytest (the suite). PLAIT_WHEELS=DIR: another wheel folder than .whl
+# (its torchtitan/ and torchtitan-0.2/ subfolders likewise). Everything lands in $OUT (default
 # /tmp/plait-gpu; a new temp folder for --dry-run), the only folder a device call brings back:
 #   env.txt, stages.tsv   the machine, torch, commit; each stage's exit code, seconds and limit
 #   suite.log             gpu/run.py: every CUDA-only branch against its reference (the varlen tests too)
@@ -19,13 +21,14 @@
 #   varlen.jsonl, .log    benchmarks/bench_varlen.py: one call vs per segment, Llama 3 8B dims, seq 8192
 #   bench.jsonl, .log     benchmarks/gpu.py: tokens/s, MFU, peak memory, host and GPU busy time of
 #   runs/                 the profiled last step, for plait (eager / compile / CUDA graphs, causal and
-#                         document) and torchtitan 0.3.0 (causal); each run's last log lines
+#                         document) and torchtitan (causal: 0.3.0 where the torch is >= 2.12, else
+#                         0.2.2; gpu.py picks); each run's last log lines
 #   table.md              benchmarks/lease_table.py: all of the above as one dated RESULTS.md section
 #
 # Budget (TOTAL_S = 520 s for the command; the device call's timeout_s 540 holds it, the machine's
 # start is extra). Each stage runs under `timeout`, which signals its whole process group:
 #   stage      limit                       expected on an H100 (first lease, 2026-11-27)
-#   setup      2 x 120 s (pip)             ~10 s: the wheels into two temp target dirs, env.txt
+#   setup      3 x 120 s (pip)             ~15 s: the wheels into three temp target dirs, env.txt
 #   suite      150 s                       ~90 s, plus the varlen tests
 #   signature  30 s                        ~5 s
 #   varlen     75 s                        ~20 s
@@ -35,11 +38,13 @@
 #   table      15 s                        ~1 s
 # What that python lacks travels as wheels in .whl: plait's (`datasets` and two of its needs) go in
 # one target dir on PYTHONPATH for everything; torchtitan's (with the older `datasets` it pins) in
-# another, put first on PYTHONPATH for the torchtitan runs only (gpu.py --torchtitan-path). This
-# checkout's packages go on PYTHONPATH, as gpu/run.py does, so nothing is built there.
+# another, one per version: 0.3.0's (gpu.py --torchtitan-path) and 0.2.2's (--torchtitan-022-path),
+# for torches before 2.12, which 0.3.0 does not import on; gpu.py puts the one that fits this torch
+# first on PYTHONPATH for the torchtitan runs only. This checkout's packages go on PYTHONPATH, as
+# gpu/run.py does, so nothing is built there.
 set -u
 cd "$(dirname "$0")/.."
-DRY=0 TOTAL_S=520 SUITE_S=150 VARLEN_S=75 STEPS=10 WARMUP=4 BATCH_16B=1
+DRY=0 TOTAL_S=520 SUITE_S=150 VARLEN_S=75 STEPS=10 WARMUP=4 BATCH_16B=1 TT_VERSION=auto
 RUNS=llama3-8B:causal:compile,llama3-8B:causal:torchtitan,deepseek-16B:causal:compile,deepseek-16B:causal:torchtitan
 RUNS+=,llama3-8B:document:compile,deepseek-16B:document:compile
 RUNS+=,llama3-8B:causal:cudagraphs,llama3-8B:document:cudagraphs,deepseek-16B:causal:cudagraphs,deepseek-16B:document:cudagraphs
@@ -55,6 +60,7 @@ while [ $# -gt 0 ]; do
         --steps) STEPS=$2; shift ;;
         --warmup) WARMUP=$2; shift ;;
         --batch-16b) BATCH_16B=$2; shift ;;
+        --torchtitan-version) TT_VERSION=$2; shift ;;
         --) shift; PYTEST_ARGS=("$@"); break ;;
         *) echo "gpu/lease.sh: unknown argument $1 (see the header of gpu/lease.sh)" >&2; exit 2 ;;
     esac
@@ -98,8 +104,9 @@ t0=$SECONDS
 WHL=${PLAIT_WHEELS:-.whl}  # the test's dry run points it at wheels it made
 SITE=$(install_wheels "$WHL")
 TT_SITE=$(install_wheels "$WHL/torchtitan")
-trap 'rm -rf "$SITE" "$TT_SITE"' EXIT
-printf 'setup\t0\t%s\t240\n' "$((SECONDS - t0))" >>"$OUT/stages.tsv"
+TT022_SITE=$(install_wheels "$WHL/torchtitan-0.2")
+trap 'rm -rf "$SITE" "$TT_SITE" "$TT022_SITE"' EXIT
+printf 'setup\t0\t%s\t360\n' "$((SECONDS - t0))" >>"$OUT/stages.tsv"
 # plait's wheels go on PYTHONPATH where they were built for (the GPU machine); a dry run only
 # checks that they install: this python has its own.
 [ -n "$SITE" ] && [ ${#PIP_TAGS[@]} = 0 ] && PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
@@ -125,6 +132,7 @@ print('python:', platform.python_version()); print('torch:', torch.__version__);
     echo "commit: $commit"
     echo "plait wheels: ${SITE:-none}"
     echo "torchtitan: ${TT_SITE:-none}"
+    echo "torchtitan 0.2: ${TT022_SITE:-none}"
     echo "total_s: $TOTAL_S"
     echo "steps: $STEPS"
     echo "warmup: $WARMUP"
@@ -156,9 +164,10 @@ fi
 LEFT=$((TOTAL_S - (SECONDS - START) - 30))
 if [ "$LEFT" -gt 60 ]; then
     BENCH=(--runs "$RUNS" --steps "$STEPS" --warmup "$WARMUP" --batch-16b "$BATCH_16B" --profile --no-results --deadline $((LEFT - 25))
-           --run-timeout 150 --min-run-s 40 --json "$OUT/bench.jsonl" --logs "$OUT/runs"
+           --run-timeout 150 --min-run-s 40 --json "$OUT/bench.jsonl" --logs "$OUT/runs" --torchtitan-version "$TT_VERSION"
            --tt-tokenizer "$(realpath -m "$WHL/torchtitan-tokenizer")")
     [ -n "$TT_SITE" ] && BENCH+=(--torchtitan-path "$TT_SITE")
+    [ -n "$TT022_SITE" ] && BENCH+=(--torchtitan-022-path "$TT022_SITE")
     [ $DRY = 1 ] && BENCH+=(--dry-run)
     stage bench "$LEFT" bench.log $PY benchmarks/gpu.py "${BENCH[@]}"
 else

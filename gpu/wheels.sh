@@ -10,12 +10,20 @@
 #                                image lacks, with the older `datasets` it pins (<4.8) and that
 #                                datasets' own dill / multiprocess: a folder of its own, put on
 #                                PYTHONPATH for the torchtitan runs only, so it never shadows plait's
+#   .whl/torchtitan-0.2/*.whl    torchtitan 0.2.2 and the same set less 0.3.0's own two (spmd_types,
+#                                torch_checkpointing): 0.3.0 imports torch.distributed.fsdp's
+#                                DataParallelMeshDims, new in torch 2.12, so on the image's torch 2.11
+#                                benchmarks/gpu.py runs 0.2.2, the last release without it
 #   .whl/torchtitan-tokenizer/   the tokenizer torchtitan's runs read (from shared/bench)
 #
 # The torchtitan set is torchtitan 0.3.0's Requires-Dist (`pip download torchtitan==0.3.0 --no-deps`,
 # its METADATA) resolved for cp312 manylinux, less torch / triton / the nvidia libraries, what the
 # image already has, and what that path never imports (wandb: imported only when enabled; pillow
-# and einops: multimodal and Flux models only). About 14 MB in all.
+# and einops: multimodal and Flux models only). About 14 MB in all. torchtitan 0.2.2's
+# Requires-Dist (torchdata, datasets, tokenizers, tomli, fsspec, tyro, tensorboard, einops, pillow)
+# resolves to the same set: its `datasets` is unpinned (>=2.21), so it takes 0.3.0's 4.7.0 with that
+# one's dill / multiprocess; tomli only where python < 3.11 (it reads tomllib first); einops and
+# pillow again only in its Flux and VLM code, never on the Llama 3 / DeepSeek-V3 training path.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qxF "/.whl/" .git/info/exclude 2>/dev/null || { mkdir -p .git/info && echo "/.whl/" >>.git/info/exclude; }
@@ -37,11 +45,17 @@ download .whl/torchtitan "torchtitan==0.3.0" \
     "tokenizers==0.23.3" "safetensors==0.8.0" \
     "tensorboard==2.21.0" "tensorboard-data-server==0.7.2" "protobuf==7.36.2" "absl-py==2.5.1" \
     "markdown==3.11.3" "werkzeug==3.1.9" "markupsafe==3.0.4"
+rm -rf .whl/torchtitan-0.2
+mkdir -p .whl/torchtitan-0.2
+download .whl/torchtitan-0.2 "torchtitan==0.2.2"
+# the rest of 0.2.2's set is the 0.3.0 folder's wheels, less the two only 0.3.0 needs
+find .whl/torchtitan -maxdepth 1 -name '*.whl' ! -name 'torchtitan-*' ! -name 'spmd_types-*' \
+    ! -name 'torch_checkpointing-*' -exec cp {} .whl/torchtitan-0.2/ \;
 TOKENIZER=${PLAIT_TT_TOKENIZER:-../shared/bench/torchtitan-tokenizer}
 if [ -d "$TOKENIZER" ]; then
     rm -rf .whl/torchtitan-tokenizer && cp -r "$TOKENIZER" .whl/torchtitan-tokenizer && chmod -R u+w .whl/torchtitan-tokenizer
 else
     echo "gpu/wheels.sh: no torchtitan tokenizer at $TOKENIZER: the lease's torchtitan runs will fail" >&2
 fi
-ls .whl .whl/torchtitan
+ls .whl .whl/torchtitan .whl/torchtitan-0.2
 du -sh .whl

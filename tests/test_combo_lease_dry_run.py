@@ -1,10 +1,11 @@
 """The GPU lease cannot break unseen: `bash gpu/lease.sh --dry-run` runs every stage of it on this
-CPU but the CUDA work (argument parsing, two wheel folders installed into their target dirs, the
+CPU but the CUDA work (argument parsing, three wheel folders installed into their target dirs, the
 GPU suite collected, the varlen signature, bench_varlen at tiny dims, every benchmark command line
 built and checked by plait-train's own parser and validation, the recorded sample outputs read
-through the real parsers) and writes the table that a real lease would; and benchmarks/gpu.py's
-bounds stop what they start. (With gpu/wheels.sh's real .whl, `bash gpu/lease.sh --dry-run` also
-parses the torchtitan command lines with torchtitan's own parser.)"""
+through the real parsers) and writes the table that a real lease would; benchmarks/gpu.py builds
+torchtitan 0.2.2's command lines where the torch predates 0.3.0's; and its bounds stop what they
+start. (With gpu/wheels.sh's real .whl, `bash gpu/lease.sh --dry-run` also parses the torchtitan
+command lines with torchtitan's own parser.)"""
 
 import json
 import os
@@ -46,6 +47,7 @@ def dry_run(tmp_path_factory) -> Path:
     wheels = tmp_path_factory.mktemp("whl")
     _wheel(wheels, "plait_lease_probe")
     _wheel(wheels / "torchtitan", "plait_lease_probe_tt")
+    _wheel(wheels / "torchtitan-0.2", "plait_lease_probe_tt022")
     env = dict(os.environ, OUT=str(out), PYTHON=sys.executable, OMP_NUM_THREADS="1", PLAIT_WHEELS=str(wheels))
     proc = subprocess.run(["bash", "gpu/lease.sh", "--dry-run"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=400)  # fmt: skip
@@ -59,8 +61,9 @@ def test_every_stage_passes(dry_run):
     assert set(stages.values()) == {"0"}, stages
     env = lease_table.read_env(dry_run)
     assert env["dry_run"] == "1" and env["torch"] and env["commit"]
-    # both wheel folders installed, each into a target dir of its own
-    assert env["plait wheels"] != "none" and env["torchtitan"] != "none" and env["plait wheels"] != env["torchtitan"]
+    # the three wheel folders installed, each into a target dir of its own
+    sites = [env["plait wheels"], env["torchtitan"], env["torchtitan 0.2"]]
+    assert "none" not in sites and len(set(sites)) == 3, sites
 
 
 def test_table_has_every_run_and_the_ratios(dry_run):
@@ -104,6 +107,53 @@ def test_results_refuses_a_dry_run_and_prepends_a_section(dry_run, tmp_path):
     text = results.read_text()
     assert text.startswith("# Results\n\n## GPU lease DRY RUN") and text.endswith("## An older section\n")
     assert "commit abc123" in text
+
+
+def test_torchtitan_022_command_lines(tmp_path):
+    """A torch before 2.12 runs torchtitan 0.2.2: its own CLI (job config by name, --job / --model /
+    --profiling sections, no whole-step CUDA graph), the same depth, data, tokenizer and steps; the
+    records and the table name 0.2.2."""
+    out = tmp_path / "bench.jsonl"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu.py"), "--dry-run", "--no-results",
+                           "--profile", "--steps", "3", "--warmup", "1", "--torchtitan-version", "0.2.2",
+                           "--runs", "llama3-8B:causal:torchtitan,deepseek-16B:causal:torchtitan", "--json", str(out)],
+                          check=True, capture_output=True, text=True, cwd=REPO)  # fmt: skip
+    commands = [line.split(": ", 1)[1].split() for line in proc.stdout.splitlines() if " torchtitan: " in line]
+    assert len(commands) == 2
+    for cmd, (config, layers, seq) in zip(commands, [("llama3_8b", "8", "8192"), ("deepseek_v3_16b", "4", "4096")]):
+        opts = dict(zip(cmd, cmd[1:]))
+        assert cmd[1].endswith("torchtitan_gpu.py") and opts["--config"] == config and opts["--layers"] == layers
+        assert opts["--training.seq_len"] == seq and opts["--training.steps"] == "3"
+        assert opts["--training.dataset"] == "c4_test" and opts["--training.dataset_path"].endswith("corpus")
+        assert "--job.dump_folder" in opts and "--model.hf_assets_path" in opts
+        assert opts["--compile.components"] == "model,loss" and "--compile.enable" in cmd
+        assert opts["--profiling.profile_freq"] == "3" and opts["--profiling.save_traces_folder"] == "profiling/traces"
+        assert not {"--module", "--dump_folder", "--training.disable_cuda_graphs"} & set(cmd)
+    ep = "--parallelism.expert_parallel_degree"
+    assert ep in commands[1] and ep not in commands[0]  # DeepSeek-V3 on one GPU: expert parallel 1
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r.get("torchtitan_version") for r in records] == ["0.2.2", "0.2.2"]
+    assert [r for r in records if "error" in r] == []
+    assert all("| torchtitan 0.2.2 (compile" in row for row in lease_table.bench_table(records)[2:])
+
+
+def test_torchtitan_version_fits_the_torch(monkeypatch):
+    """0.3.0 where torch.distributed.fsdp has DataParallelMeshDims (torch >= 2.12), else 0.2.2, each
+    from its own folder."""
+    import argparse
+
+    import torch.distributed.fsdp as fsdp
+
+    import gpu
+
+    args = argparse.Namespace(torchtitan_version="auto", torchtitan_path=Path("/tt030"),
+                              torchtitan_022_path=Path("/tt022"))  # fmt: skip
+    monkeypatch.setattr(fsdp, "DataParallelMeshDims", object(), raising=False)
+    assert gpu.choose_torchtitan(args) == ("0.3.0", Path("/tt030"))
+    monkeypatch.delattr(fsdp, "DataParallelMeshDims")
+    assert gpu.choose_torchtitan(args) == ("0.2.2", Path("/tt022"))
+    args.torchtitan_version = "0.3.0"
+    assert gpu.choose_torchtitan(args) == ("0.3.0", Path("/tt030"))
 
 
 def test_deadline_leaves_runs_unstarted(tmp_path):
