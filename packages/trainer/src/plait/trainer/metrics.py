@@ -9,6 +9,7 @@ time is not known without a sync); data-loading time is per step (host time).
 """
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -229,6 +230,10 @@ class MetricsLogger:
 
     def _write(self, rows: list[dict]) -> None:
         with self._writing():
+            # Writes into a deleted folder fail late and in TensorBoard's writer thread (or never:
+            # the open metrics.jsonl is unlinked, not closed); one stat per log step says it now.
+            if not os.path.isdir(self.dump_folder):
+                raise FileNotFoundError(errno.ENOENT, "the folder no longer exists", str(self.dump_folder))
             for row in rows:
                 self.jsonl.write(json.dumps(row) + "\n")
                 if self.tb is not None or self.wandb is not None:
