@@ -37,11 +37,18 @@ PACKAGES = {
     "expertparallel": ["mesh"],
     "pipelineparallel": ["mesh"],
     "trainer": ["mesh", "models", "dataparallel", "data", "checkpoint"],
+    "testing": ["mesh"],
+    "plan": ["mesh", "models", "dataparallel", "data", "checkpoint", "trainer"],
 }
 ALL = list(PACKAGES)
 # Sibling packages a package's tests use but the package never imports: installed after its
 # import has been checked alone (the pipeline parity tests run the plait Llama 3 model).
-TEST_ONLY = {"pipelineparallel": ["models"], "data": ["mesh"]}
+# plait-testing (run_on_ranks, the step sentinel) serves every package's tests: installed with
+# plait-mesh, its one dependency, where the package does not already have it.
+TEST_ONLY = {name: ["testing"] if "mesh" in deps or name == "mesh" else ["mesh", "testing"]
+             for name, deps in PACKAGES.items() if name != "testing"}
+TEST_ONLY["pipelineparallel"].append("models")
+TEST_ONLY["testing"] = []  # its plait-train helpers are exercised by the trainer's tests
 
 
 def _install(session: nox.Session, names: list[str], extras: str = "test") -> None:

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from plait.contextparallel import ContextParallelConfig, apply_context_parallel, shard_sequence
 from plait.mesh import ParallelDims, build_meshes
-from plait.mesh.testing import run_on_ranks
 from plait.models.llama3 import FLAVORS, Transformer
+from plait.testing import run_on_ranks
 
 GiB = 2**30
 

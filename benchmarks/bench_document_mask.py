@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from plait.contextparallel import ContextParallelConfig, SequenceLayout, apply_context_parallel, shard_sequence
 from plait.contextparallel.work import PerDocumentHeadTail, attention_work, imbalance
 from plait.mesh import ParallelDims, build_meshes
-from plait.mesh.testing import run_on_ranks
 from plait.models.llama3 import FLAVORS, Transformer
+from plait.testing import run_on_ranks
 
 MEDIAN, SIGMA = 600, 1.3
 

@@ -20,8 +20,8 @@ from torch.distributed.tensor import DTensor
 
 from plait.dataparallel import DataParallelConfig, apply_data_parallel
 from plait.mesh import ParallelDims, build_meshes
-from plait.mesh.testing import run_on_ranks
 from plait.models.llama3 import FLAVORS, Transformer
+from plait.testing import run_on_ranks
 
 GiB = 2**30
 

@@ -95,10 +95,10 @@ def _plait_rank(rank: int, world_size: int, argv: list[str], documents: int, ske
     """Build plait's trainer as plait-train does, run step 1, count step 2 (rank 0's answer is kept)."""
     import torch
 
+    from plait.plan.host_ops import HostOpCounter
+    from plait.plan.trace import micro_batch
     from plait.trainer.cli import parse_args
     from plait.trainer.config import build_config, load_toml
-    from plait.trainer.plan.host_ops import HostOpCounter
-    from plait.trainer.plan.trace import micro_batch
     from plait.trainer.train import Trainer
 
     parsed = parse_args(argv)
@@ -129,7 +129,7 @@ def _plait_rank(rank: int, world_size: int, argv: list[str], documents: int, ske
 
 
 def run_plait(case: Case, workdir: Path, name: str) -> dict:
-    from plait.mesh.testing import run_on_ranks
+    from plait.testing import run_on_ranks
 
     argv = plait_argv(case, str(workdir / name))
     return run_on_ranks(_plait_rank, case.ranks, argv, case.documents, case.skewed, timeout=900)[0]
@@ -192,7 +192,7 @@ def _top_extra(plait: dict, titan: dict, n: int = 5) -> str:
     """The kernel ops plait dispatches most more often than torchtitan (what to remove next)."""
     from importlib.util import module_from_spec, spec_from_file_location
 
-    spec = spec_from_file_location("host_ops", REPO / "packages/trainer/src/plait/trainer/plan/host_ops.py")
+    spec = spec_from_file_location("host_ops", REPO / "packages/plan/src/plait/plan/host_ops.py")
     host_ops = module_from_spec(spec)
     spec.loader.exec_module(host_ops)
     diff = {op: plait["by_op"].get(op, 0) - titan["by_op"].get(op, 0)

@@ -48,7 +48,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 from plait.mesh import ParallelDims, build_meshes
-from plait.mesh.testing import run_on_ranks
+from plait.testing import run_on_ranks
 
 KEYS = ("dispatch_wait", "combine_wait", "bwd_wait", "fwd", "bwd")
 

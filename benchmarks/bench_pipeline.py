@@ -70,9 +70,9 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from plait.mesh import ParallelDims, build_meshes
-from plait.mesh.testing import run_on_ranks
 from plait.models.llama3 import FLAVORS, Transformer
 from plait.pipelineparallel import build_pipeline, schedule_style, split_stages, validate_pipeline_parallel
+from plait.testing import run_on_ranks
 
 N_LAYERS, SEQ, MICROBATCH_SIZE = 8, 256, 1
 # name -> virtual stages per rank

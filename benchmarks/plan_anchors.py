@@ -24,9 +24,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from plait.plan.cli import PlanArgs
+from plait.plan.search import _trace_in_child
 from plait.trainer.config import build_config, load_toml
-from plait.trainer.plan.cli import PlanArgs
-from plait.trainer.plan.search import _trace_in_child
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"

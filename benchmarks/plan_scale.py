@@ -30,7 +30,7 @@ def main() -> None:
         out = Path(tmp) / "plan.json"
         start = time.monotonic()
         result = subprocess.run(
-            [sys.executable, "-m", "plait.trainer.plan.cli", "--config", args.config, "--plan.world_size",
+            [sys.executable, "-m", "plait.plan.cli", "--config", args.config, "--plan.world_size",
              str(args.world_size), "--model.tokenizer_path", "", "--job.dump_folder", tmp, "--plan.json", str(out)],
             capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=1800,
         )  # fmt: skip

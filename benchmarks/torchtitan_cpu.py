@@ -245,7 +245,7 @@ def _count_step_ops() -> None:
     import json
     from pathlib import Path
 
-    source = Path(__file__).resolve().parents[1] / "packages/trainer/src/plait/trainer/plan/host_ops.py"
+    source = Path(__file__).resolve().parents[1] / "packages/plan/src/plait/plan/host_ops.py"
     spec = importlib.util.spec_from_file_location("plait_host_ops", source)
     host_ops = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(host_ops)

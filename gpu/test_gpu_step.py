@@ -1,7 +1,7 @@
 """Whole training steps on the device under the step sentinel and CUDA's own sync detector.
 
 `torch.cuda.set_sync_debug_mode` makes CUDA report every synchronizing call the step makes; the
-sentinel (plait.mesh.sentinel) predicts them on CPU runs. Here both watch the same steps of the
+sentinel (plait.testing.sentinel) predicts them on CPU runs. Here both watch the same steps of the
 real trainer (in-process): dense Llama and DeepSeek-V3 (capacity and dropless) must make no sync
 but the counted one per MoE layer and micro-batch of the dropless expert-parallel dispatch, and
 the sentinel's count must equal CUDA's. Plus compile per block (training.compile) against eager.
@@ -18,8 +18,8 @@ import pytest
 import torch
 from gpu_helpers import CudaSyncs
 
-from plait.mesh.sentinel import StepSentinel
-from plait.trainer.testing import parity_args, train_in_process
+from plait.testing.sentinel import StepSentinel
+from plait.testing.trainer import parity_args, train_in_process
 
 LLAMA = ["--config", "llama3_debugmodel", "--model.n_layers", "2", "--training.local_batch_size", "2"]
 # 3 layers: 1 dense + 2 MoE (the debug flavor's first layer is dense).

@@ -33,8 +33,8 @@ from torch.distributed.tensor import DTensor
 from plait.contextparallel import ContextParallelConfig, ContextParallelSDPA, shard_batch
 from plait.dataparallel import DataParallelConfig, apply_data_parallel
 from plait.mesh import ParallelDims, build_meshes
-from plait.mesh.testing import run_on_ranks
 from plait.tensorparallel import TensorParallelConfig, apply_tensor_parallel, loss_parallel_context, uses_loss_parallel
+from plait.testing import run_on_ranks
 
 transformers = pytest.importorskip("transformers")
 

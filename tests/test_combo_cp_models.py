@@ -34,8 +34,8 @@ from plait.contextparallel import (
 )
 from plait.dataparallel import DataParallelConfig, apply_data_parallel
 from plait.mesh import ParallelDims, build_meshes, clip_grad_norm_
-from plait.mesh.testing import run_on_ranks
 from plait.tensorparallel import TensorParallelConfig, apply_tensor_parallel, loss_parallel_context, uses_loss_parallel
+from plait.testing import run_on_ranks
 from plait.trainer.activation_checkpoint import apply_activation_checkpointing
 
 llama3 = pytest.importorskip("plait.models.llama3")

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from plait.mesh import ParallelDims, build_meshes
-from plait.mesh.testing import run_on_ranks
 from plait.tensorparallel import TensorParallelConfig, apply_tensor_parallel, loss_parallel_context
+from plait.testing import run_on_ranks
 
 deepseek_v3 = pytest.importorskip("plait.models.deepseek_v3")
 

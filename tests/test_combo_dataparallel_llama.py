@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from plait.dataparallel import DataParallelConfig, apply_data_parallel
 from plait.mesh import ParallelDims, build_meshes
-from plait.mesh.testing import run_on_ranks
+from plait.testing import run_on_ranks
 
 llama3 = pytest.importorskip("plait.models.llama3")
 

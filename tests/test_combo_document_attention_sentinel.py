@@ -4,10 +4,10 @@ FlashAttention-2 varlen's preconditions on CPU; each broken precondition is name
 import pytest
 import torch
 
-from plait.mesh.sentinel import StepSentinel
 from plait.models import deepseek_v3, llama3
 from plait.models.document_attention import document_attention
 from plait.models.documents import document_offsets, to_device_with_segments
+from plait.testing.sentinel import StepSentinel
 
 
 def _positions(batch=2, seq=64, docs=4):

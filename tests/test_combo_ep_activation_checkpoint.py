@@ -14,8 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from plait.expertparallel import apply_expert_parallel
 from plait.mesh import ParallelDims, build_meshes
-from plait.mesh.testing import run_on_ranks
 from plait.models.moe import MoE, TokenChoiceTopKRouter
+from plait.testing import run_on_ranks
 from plait.trainer.activation_checkpoint import apply_activation_checkpointing
 
 DIM, HIDDEN, E, TOP_K, B, S = 16, 32, 4, 2, 2, 6

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from plait.trainer.testing import cli_env
+from plait.testing.trainer import cli_env
 
 # One process builds every case (a fake process group per case): one torch import, not five.
 BUILD = textwrap.dedent(

@@ -11,7 +11,7 @@ README's table):
   the layout's arithmetic alone) and, in fp32, at the last step: max over parameters of
   |g - g_ref| / |g_ref|. This is what catches a gradient that goes to the wrong place. (bf16:
   the MoE modules' parameters excepted, see _capture_gradients: a flipped top-k choice moves them);
-- the step sentinel (plait.mesh.sentinel): host syncs per step equal the expected count (0 for
+- the step sentinel (plait.testing.sentinel): host syncs per step equal the expected count (0 for
   dense models and capacity mode; one per MoE layer and micro-batch for dropless expert parallel,
   under activation checkpointing too) and zero kernel-precondition violations;
 - MoE: the per-layer load imbalance (tokens per expert summed over the dp x cp ranks) equals the
@@ -53,8 +53,8 @@ import pytest
 import torch
 
 from plait.mesh import ParallelDims
-from plait.mesh.testing import run_on_ranks
-from plait.trainer.testing import parity_args
+from plait.testing import run_on_ranks
+from plait.testing.trainer import parity_args
 
 # fp32: 8 steps (10 until 2026-11-27: 8 keeps the whole suite within its 35 minutes on 2 cores;
 # every step is still compared, and every gradient at steps 1 and 8).
@@ -376,7 +376,7 @@ def _capture_gradients(
 
     def step_and_capture(*args, **kwargs):
         if trainer.step in _grad_steps(dtype):
-            from plait.mesh.sentinel import StepSentinel
+            from plait.testing.sentinel import StepSentinel
 
             with StepSentinel.paused():  # the test's own reads are not the step's host syncs
                 grads = _full_grads(trainer.pm.inner)
@@ -403,10 +403,10 @@ def _train_each(rank: int, world_size: int, root: str, grads_dir: str, jobs: lis
     """On every rank: train each job in turn in this process, under the step sentinel. Rank 0
     returns each job's metrics rows, step-by-step sentinel counts and per-parameter gradient
     differences from the job's reference (whose gradients earlier jobs wrote to `grads_dir`)."""
-    from plait.mesh.sentinel import StepSentinel
+    from plait.testing.sentinel import StepSentinel
+    from plait.testing.trainer import read_metrics
     from plait.trainer.cli import parse_args
     from plait.trainer.config import build_config, load_toml
-    from plait.trainer.testing import read_metrics
     from plait.trainer.train import Trainer
 
     results = {}

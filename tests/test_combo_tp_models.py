@@ -21,7 +21,6 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from plait.dataparallel import DataParallelConfig, apply_data_parallel
 from plait.mesh import ParallelDims, build_meshes, clip_grad_norm_
-from plait.mesh.testing import run_on_ranks
 from plait.models.moe import moe_aux_loss
 from plait.tensorparallel import (
     TensorParallelConfig,
@@ -30,6 +29,7 @@ from plait.tensorparallel import (
     uses_loss_parallel,
     validate_tensor_parallel,
 )
+from plait.testing import run_on_ranks
 
 llama3 = pytest.importorskip("plait.models.llama3")
 deepseek_v3 = pytest.importorskip("plait.models.deepseek_v3")

@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
+from plait.testing.trainer import parity_args, run_cli
 from plait.trainer.config import ConfigError, build_config, load_toml
-from plait.trainer.testing import parity_args, run_cli
 from plait.trainer.validate import validate
 
 COMMON = [*parity_args(steps=4), "--training.local_batch_size", "2"]

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from plait.testing.trainer import losses, parity_args, read_metrics, run_cli
 from plait.trainer.config import ConfigError, build_config
-from plait.trainer.testing import losses, parity_args, read_metrics, run_cli
 from plait.trainer.validate import validate
 
 MOE_LAYERS = 5  # debugmodel: 6 layers, the first dense
@@ -138,7 +138,7 @@ def _bias_after_training(rank, world_size, dump, argv):
 def test_expert_bias_is_bit_identical_on_every_rank(tmp_path):
     """Aux-loss-free balancing under FSDP 2 x TP 2 x EP 2 (etp 1) with accumulation: the counts
     are summed over the ranks that routed different tokens, so all 4 ranks move every bias alike."""
-    from plait.mesh.testing import run_on_ranks
+    from plait.testing import run_on_ranks
 
     argv = [*COMMON, "--training.local_batch_size", "1", "--training.gradient_accumulation_steps", "2",
             "--parallelism.tp", "2", "--parallelism.ep", "2", "--model.load_balance_coeff", "0.01"]

@@ -5,7 +5,7 @@ one process, so the embedding's gradients still reach FSDP."""
 
 import pytest
 
-from plait.trainer.testing import read_metrics, run_cli
+from plait.testing.trainer import read_metrics, run_cli
 
 # fmt: off
 COMMON = [

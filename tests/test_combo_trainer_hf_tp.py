@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from plait.trainer.testing import losses, run_cli
+from plait.testing.trainer import losses, run_cli
 
 # fmt: off
 COMMON = [

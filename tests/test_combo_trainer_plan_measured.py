@@ -14,8 +14,8 @@ import textwrap
 
 import pytest
 
-from plait.mesh.testing import run_on_ranks
-from plait.trainer.testing import cli_env
+from plait.testing import run_on_ranks
+from plait.testing.trainer import cli_env
 
 SMALL = ["--model.n_layers", "2", "--training.local_batch_size", "2", "--training.seq_len", "64"]
 LLAMA = ["--config", "llama3_debugmodel.toml", *SMALL]
@@ -37,7 +37,7 @@ DROPLESS = {"deepseek_ep2_dropless"}
 
 
 def _measure_cases(rank: int, world_size: int, cases: dict, dump: str) -> dict:
-    from plait.trainer.plan.measure import measured_step
+    from plait.plan.measure import measured_step
 
     return {name: dataclasses.asdict(measured_step([*argv, "--job.dump_folder", f"{dump}/{name}"]))
             for name, argv in cases.items()}
@@ -55,9 +55,9 @@ def measured(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory) -> dict:
+    from plait.plan.trace import trace_step
     from plait.trainer.cli import parse_args
     from plait.trainer.config import build_config, load_toml
-    from plait.trainer.plan.trace import trace_step
     from plait.trainer.validate import validate
 
     dump = tmp_path_factory.mktemp("planned")
@@ -115,7 +115,7 @@ def test_accumulation_repeats_micro_batch_collectives(planned):
 RSS = textwrap.dedent(
     """
     import json, sys
-    from plait.trainer.plan.measure import resident_step_peak
+    from plait.plan.measure import resident_step_peak
     print(json.dumps(resident_step_peak(sys.argv[1:])))
     """
 )
@@ -135,9 +135,9 @@ above the parameters, buffers and optimizer state. The
     step then grows RSS 27% / 100% more than its tensors, AC none / full): MALLOC_TRIM_THRESHOLD_=0
     fixes the threshold, so RSS follows what the tensors hold, as a caching GPU allocator's
     reserved memory would."""
+    from plait.plan.trace import trace_step
     from plait.trainer.cli import parse_args
     from plait.trainer.config import build_config, load_toml
-    from plait.trainer.plan.trace import trace_step
     from plait.trainer.validate import validate
 
     argv = ["--config", "llama3_debugmodel.toml", "--model.n_layers", "2", "--training.local_batch_size", "4",
@@ -157,7 +157,7 @@ def test_deepseek_v3_16B_plans_at_64_ranks(tmp_path):
     shipped: selective AC around the dropless dispatch and the nested experts unit."""
     out = tmp_path / "plan.json"
     result = subprocess.run(
-        [sys.executable, "-m", "plait.trainer.plan.cli", "--config", "deepseek_v3_16B.toml", "--plan.world_size",
+        [sys.executable, "-m", "plait.plan.cli", "--config", "deepseek_v3_16B.toml", "--plan.world_size",
          "64", "--model.tokenizer_path", "", "--job.dump_folder", str(tmp_path), "--plan.json", str(out)],
         capture_output=True, text=True, env={**cli_env(), "OMP_NUM_THREADS": "1"}, timeout=600,
     )  # fmt: skip

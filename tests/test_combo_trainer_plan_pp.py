@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from plait.mesh.testing import run_on_ranks
-from plait.trainer.testing import cli_env
+from plait.testing import run_on_ranks
+from plait.testing.trainer import cli_env
 
 SMALL = ["--config", "llama3_debugmodel.toml", "--training.local_batch_size", "4", "--training.seq_len", "64",
          "--parallelism.pp", "2", "--parallelism.pipeline_microbatch_size", "1"]
@@ -47,8 +47,8 @@ def _config(argv):
 def _measure_cases(rank: int, world_size: int, cases: dict, dump: str) -> dict:
     from torch.distributed.pipelining import schedules
 
-    from plait.trainer.plan import trace
-    from plait.trainer.plan.trace import measure_step, micro_batch
+    from plait.plan import trace
+    from plait.plan.trace import measure_step, micro_batch
     from plait.trainer.train import Trainer
 
     sent = {"bytes": 0, "count": 0}
@@ -77,7 +77,7 @@ def _measure_cases(rank: int, world_size: int, cases: dict, dump: str) -> dict:
                 trainer.train_step(batch)  # shape inference, receive buffers, optimizer state
                 sent.update(bytes=0, count=0)
                 chunks = _peak_within_chunks(trainer.pipeline.pipeline_stages, trackers)
-                trace_ = dataclasses.asdict(measure_step(trainer, batch))
+                trace_ = dataclasses.asdict(measure_step(trainer.runner, batch))
                 trace_.update(p2p=dict(sent), chunk_peak=chunks["peak"])
                 trace_["recv_buffers"] = sum(
                     info.buffer.numel() * info.buffer.element_size()
@@ -126,7 +126,7 @@ def measured(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory) -> dict:
-    from plait.trainer.plan.trace import trace_step
+    from plait.plan.trace import trace_step
     from plait.trainer.validate import validate
 
     dump = tmp_path_factory.mktemp("planned")
@@ -188,7 +188,7 @@ def test_llama3_405B_plans_with_pp_8_at_512_ranks(tmp_path):
     needs CUDA (validation says so)."""
     out = tmp_path / "plan.json"
     result = subprocess.run(
-        [sys.executable, "-m", "plait.trainer.plan.cli", "--config", "llama3_405B.toml", "--plan.world_size", "512",
+        [sys.executable, "-m", "plait.plan.cli", "--config", "llama3_405B.toml", "--plan.world_size", "512",
          "--model.tokenizer_path", "", "--job.dump_folder", str(tmp_path), "--plan.json", str(out),
          "--model.n_layers", "32", "--parallelism.layers_per_stage", str([2] * 16), "--parallelism.async_tp", "false"],
         capture_output=True, text=True, env={**cli_env(), "OMP_NUM_THREADS": "1"}, timeout=300,

@@ -2,7 +2,7 @@
 (issue 40: it stopped with "tokenizer file not found"). A combo test: the 671B config's layout
 needs plait-expertparallel and plait-pipelineparallel installed."""
 
-from plait.trainer.plan import cli as plan_cli
+from plait.plan import cli as plan_cli
 
 
 def test_the_readme_plan_of_deepseek_v3_671B_needs_no_tokenizer(tmp_path, monkeypatch, capsys):

@@ -4,10 +4,10 @@ would, fits, comes sorted by bytes per token, and the flags give back the traced
 
 import json
 
+from plait.plan import cli as plan_cli
 from plait.trainer import cli as train_cli
 from plait.trainer.cli import DEFAULT_CONFIG
 from plait.trainer.config import build_config, load_toml
-from plait.trainer.plan import cli as plan_cli
 from plait.trainer.validate import validate
 
 DEEPSEEK = ["--config", "deepseek_v3_debugmodel.toml", "--model.n_layers", "2", "--training.local_batch_size", "2",

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from plait.mesh.testing import run_on_ranks
-from plait.trainer.testing import parity_args
+from plait.testing import run_on_ranks
+from plait.testing.trainer import parity_args
 
 STEPS = 4
 COMMON = [
@@ -35,7 +35,7 @@ LAYOUTS = {
 
 def _train(rank: int, world_size: int, dump: str, args: list[str]) -> tuple[list[dict], dict[int, float]]:
     """Metrics rows (rank 0) and the validation losses by step (every rank)."""
-    from plait.trainer.testing import train_in_process
+    from plait.testing.trainer import train_in_process
     from plait.trainer.train import Trainer
 
     validations, validate_loss = {}, Trainer.validate_loss
@@ -78,8 +78,8 @@ def test_pp2_sigkill_resume_is_bit_identical_and_the_hf_export_holds_every_stage
     exactly; the uninterrupted run's Hugging Face export (each stage's ranks write their layers)
     holds exactly the weights of its last DCP checkpoint."""
     from plait.checkpoint.hf_export import read_hf_state, read_model_state
+    from plait.testing.trainer import run_cli
     from plait.trainer.checkpoint.hf_export import recorded_args
-    from plait.trainer.testing import run_cli
 
     args = [*COMMON, "--nproc-per-node", "2", *LAYOUTS[2]]
     straight = tmp_path / "straight"

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from plait.trainer.testing import read_metrics, run_cli
+from plait.testing.trainer import read_metrics, run_cli
 
 # fmt: off
 COMMON = [

@@ -54,7 +54,7 @@ def plan(name: str, world: int) -> dict:
         out = Path(tmp) / "plan.json"
         start = time.monotonic()
         result = subprocess.run(
-            [sys.executable, "-m", "plait.trainer.plan.cli", "--config", f"{name}.toml", "--plan.world_size",
+            [sys.executable, "-m", "plait.plan.cli", "--config", f"{name}.toml", "--plan.world_size",
              str(world), "--plan.device", "h100", "--model.tokenizer_path", "", "--job.dump_folder", tmp,
              "--plan.json", str(out), *flags],
             capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=1800,

@@ -30,7 +30,7 @@ from plait.contextparallel import (
     shard_sequence,
 )
 from plait.mesh import ParallelDims, build_meshes
-from plait.mesh.testing import run_on_ranks
+from plait.testing import run_on_ranks
 
 SHAPES = {"gqa": (4, 2, 16, 16), "mla": (4, 4, 24, 16)}  # (H, G, Dqk, Dv)
 METHODS = ("allgather", "ring", "ulysses")

@@ -11,7 +11,7 @@
    kernel calls.
 3. Two head-tail rounds (`SequenceLayout(cp, rounds=2)`: causal and packed documents, fp32 and
    bf16): the same preconditions and no syncs, and causal kernel calls per rank as counted here.
-Both are also checked by the repository's StepSentinel (plait.mesh.sentinel) when it is present.
+Both are also checked by the repository's StepSentinel (plait.testing.sentinel) when it is present.
 """
 
 import itertools
@@ -30,7 +30,7 @@ from plait.contextparallel import ContextParallelAttention, SequenceLayout, layo
 from plait.contextparallel.blockwise import blocks_backward
 from plait.contextparallel.kernels import MergedAttention, attention_forward
 from plait.mesh import ParallelDims, build_meshes
-from plait.mesh.testing import run_on_ranks
+from plait.testing import run_on_ranks
 
 SHAPES = {"gqa": (4, 2, 16, 16), "mqa": (4, 1, 16, 16), "mla": (4, 4, 24, 16)}  # (H, G, Dqk, Dv)
 METHODS = ("allgather", "ring", "ulysses")
@@ -62,9 +62,9 @@ def _positions(documents, world_size):
 
 
 def _sentinel_class():
-    """The repository's step sentinel, when it exists (plait.mesh.sentinel); else None."""
+    """The repository's step sentinel, when it exists (plait.testing.sentinel); else None."""
     try:
-        from plait.mesh.sentinel import StepSentinel
+        from plait.testing.sentinel import StepSentinel
     except ImportError:
         return None
     return StepSentinel

@@ -5,7 +5,7 @@ import json
 
 import torch
 
-from plait.mesh.testing import run_on_ranks
+from plait.testing import run_on_ranks
 
 SEQ, GLOBAL, STEPS = 32, 8, 4
 

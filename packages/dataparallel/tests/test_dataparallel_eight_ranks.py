@@ -18,7 +18,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from plait.dataparallel import DataParallelConfig, apply_data_parallel
 from plait.mesh import ParallelDims, build_meshes
-from plait.mesh.testing import run_on_ranks
+from plait.testing import run_on_ranks
 
 TIMEOUT = 300
 

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from plait.dataparallel import DataParallelConfig, apply_data_parallel
 from plait.dataparallel.cpu_overlap import AllToAllReduceScatter, reduce_scatters_issued
 from plait.mesh import ParallelConfigError, ParallelDims, build_meshes
-from plait.mesh.testing import RankError, run_on_ranks
+from plait.testing import RankError, run_on_ranks
 
 TIMEOUT = 240
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from plait.expertparallel import ExpertParallelConfig, apply_expert_parallel
 from plait.mesh import ParallelDims, build_meshes
-from plait.mesh.testing import run_on_ranks
+from plait.testing import run_on_ranks
 
 E, D, H = 4, 8, 16
 

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from plait.expertparallel import ExpertParallelConfig, apply_expert_parallel, capacity_per_expert
 from plait.mesh import ParallelDims, build_meshes
-from plait.mesh.testing import run_on_ranks
+from plait.testing import run_on_ranks
 
 E, D, H = 8, 16, 24
 

@@ -35,7 +35,7 @@ from plait.expertparallel import (
     unpermute,
 )
 from plait.mesh import ParallelConfigError, ParallelDims, build_meshes
-from plait.mesh.testing import run_on_ranks
+from plait.testing import run_on_ranks
 
 E, K, D, H, V, S, LAYERS = 4, 2, 16, 32, 64, 8, 2
 BATCH, STEPS, LR = 4, 3, 1e-3  # the global batch: 2 sequences per rank under EP 2

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from plait.mesh import ParallelConfigError, ParallelDims, build_meshes, clip_grad_norm_, grad_norm
-from plait.mesh.testing import RankError, run_on_ranks
+from plait.testing import RankError, run_on_ranks
 
 
 def _sum_over_views(rank, world_size, layout):

@@ -25,14 +25,14 @@ import torch.nn.functional as F
 models = pytest.importorskip("plait.models.llama3", reason="the parity tests run the plait Llama 3 model")
 
 from plait.mesh import ParallelDims, build_meshes  # noqa: E402
-from plait.mesh.sentinel import StepSentinel  # noqa: E402
-from plait.mesh.testing import run_on_ranks  # noqa: E402
 from plait.pipelineparallel import (  # noqa: E402
     build_pipeline,
     schedule_style,
     split_stages,
     validate_pipeline_parallel,
 )
+from plait.testing import run_on_ranks  # noqa: E402
+from plait.testing.sentinel import StepSentinel  # noqa: E402
 
 BATCH, SEQ, STEPS, LR = 4, 16, 3, 0.5
 IGNORE = -100

@@ -21,8 +21,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from plait.mesh import ParallelDims, build_meshes, clip_grad_norm_
-from plait.mesh.testing import run_on_ranks
 from plait.tensorparallel import TensorParallelConfig, apply_tensor_parallel, loss_parallel_context, uses_loss_parallel
+from plait.testing import run_on_ranks
 
 DIM, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB = 32, 8, 4, 4, 64, 64
 LATENT, ROPE = 16, 4

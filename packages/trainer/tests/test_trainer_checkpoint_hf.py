@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from plait.testing.trainer import cli_env, losses, run_cli
 from plait.trainer.checkpoint import hf_export
-from plait.trainer.testing import cli_env, losses, run_cli
 
 STEPS = 6
 # fmt: off

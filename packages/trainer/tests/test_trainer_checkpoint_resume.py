@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from plait.trainer.testing import cli_env, run_cli
+from plait.testing.trainer import cli_env, run_cli
 
 STEPS = 20
 # fmt: off

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from plait.checkpoint import hf_output, store
+from plait.testing.trainer import cli_env, rank_pids, run_cli, start_two_ranks
 from plait.trainer.checkpoint import hf_export
-from plait.trainer.testing import cli_env, rank_pids, run_cli, start_two_ranks
 
 # fmt: off
 TINY = [
@@ -503,7 +503,7 @@ def _one_rank_cannot_write(rank: int, world_size: int, dump: str, failing: str) 
 
 @pytest.mark.parametrize("failing", ["rng", "marker"])
 def test_a_write_failing_on_one_rank_fails_every_rank_with_one_line(tmp_path, failing):
-    from plait.mesh.testing import run_on_ranks
+    from plait.testing import run_on_ranks
 
     messages = run_on_ranks(_one_rank_cannot_write, 2, str(tmp_path), failing, timeout=120)
     cause = "No space left on device" if failing == "rng" else "Read-only file system"
@@ -548,7 +548,7 @@ def _background_write_fails_on_rank_1(rank: int, world_size: int, dump: str) -> 
 
 
 def test_a_background_save_failing_on_one_rank_is_seen_by_every_rank_at_the_same_step(tmp_path):
-    from plait.mesh.testing import run_on_ranks
+    from plait.testing import run_on_ranks
 
     (step0, line0), (step1, line1) = run_on_ranks(_background_write_fails_on_rank_1, 2, str(tmp_path), timeout=120)
     assert step0 == step1 and step0 is not None and step0 > 5, (step0, step1)

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from plait.data.pretokenize import main as pretokenize_main
+from plait.testing.trainer import parity_args, train_in_process
 from plait.trainer.cli import main
 from plait.trainer.config import ConfigError, build_config
-from plait.trainer.testing import parity_args, train_in_process
-from plait.trainer.train import Trainer
+from plait.trainer.step import StepRunner
 from plait.trainer.validate import validate
 
 DOCS = ["--model.attention_mask", "document", "--model.rope_positions", "document"]
@@ -26,13 +26,13 @@ def test_document_mask_reaches_attention_and_changes_the_loss(tmp_path, monkeypa
                             for i in range(200)))
     data = ["--data.dataset", "json", "--data.dataset_path", str(path), "--data.val_dataset", ""]
     seen = []
-    forward = Trainer._forward
+    forward = StepRunner.forward
 
     def recording(self, tokens_BS, positions, documents_BS):
         seen.append(documents_BS)
         return forward(self, tokens_BS, positions, documents_BS)
 
-    monkeypatch.setattr(Trainer, "_forward", recording)
+    monkeypatch.setattr(StepRunner, "forward", recording)
     causal = train_in_process(tmp_path / "causal", *SMALL, *data)
     assert seen == [None, None]
     seen.clear()
@@ -88,13 +88,13 @@ def test_validation_runs_document_masked(tmp_path, monkeypatch):
     path.write_text("".join(json.dumps({"text": f"Note {i}: now is better than never. " * (1 + i % 3)}) + "\n"
                             for i in range(100)))
     seen = []
-    forward = Trainer._forward
+    forward = StepRunner.forward
 
     def recording(self, tokens_BS, positions, documents_BS):
         seen.append((torch.is_grad_enabled(), documents_BS is not None))
         return forward(self, tokens_BS, positions, documents_BS)
 
-    monkeypatch.setattr(Trainer, "_forward", recording)
+    monkeypatch.setattr(StepRunner, "forward", recording)
     train_in_process(tmp_path / "val", *SMALL, *DOCS, "--data.dataset", "json", "--data.dataset_path", str(path),
                      "--data.val_dataset", "json", "--data.val_interval", "2", "--data.val_steps", "1")
     assert (False, True) in seen  # a no-grad (validation) forward with document positions

@@ -8,8 +8,8 @@ import time
 
 import torch
 
+from plait.testing.trainer import rank_pids, run_cli, start_two_ranks
 from plait.trainer import exit_codes
-from plait.trainer.testing import rank_pids, run_cli, start_two_ranks
 from plait.trainer.train import exit_code_of, infrastructure_fault
 
 # fmt: off

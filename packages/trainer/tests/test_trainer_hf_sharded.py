@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from plait.mesh.testing import run_on_ranks
+from plait.testing import run_on_ranks
 
 WORLD = 4
 SHAPE = dict(dim=768, n_layers=8, n_heads=12, n_kv_heads=4, vocab_size=4096, multiple_of=256, max_seq_len=64)

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from plait.checkpoint import store
+from plait.testing.trainer import cli_env, read_metrics, run_cli
 from plait.trainer.cli import EXIT_CONFIG, EXIT_DIVERGED, EXIT_STOPPED
 from plait.trainer.config import LRSchedulerConfig
 from plait.trainer.lr_scheduler import lr_factor
-from plait.trainer.testing import cli_env, read_metrics, run_cli
 
 # fmt: off
 COMMON = [

@@ -6,8 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from plait.testing.trainer import run_cli
 from plait.trainer.cli import EXIT_DIVERGED
-from plait.trainer.testing import run_cli
 
 # fmt: off
 COMMON = [

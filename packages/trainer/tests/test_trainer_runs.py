@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from plait.trainer import testing
-from plait.trainer.testing import cli_env, losses, read_metrics
+from plait.testing import trainer as testing
+from plait.testing.trainer import cli_env, losses, read_metrics
 
 KEYS = {"step", "loss", "grad_norm", "lr", "tokens_per_second", "mfu", "memory_gib"}
 STEPS = 6

@@ -2,9 +2,9 @@
 the metrics rows. Dense Llama has no host sync. (Expert parallel's counted syncs, with and without
 AC and accumulation, are checked on every parity-matrix entry: tests/test_combo_parity_matrix.py.)"""
 
-from plait.mesh.sentinel import StepSentinel
-from plait.trainer import testing
-from plait.trainer.testing import parity_args, train_in_process
+from plait.testing import trainer as testing
+from plait.testing.sentinel import StepSentinel
+from plait.testing.trainer import parity_args, train_in_process
 
 LLAMA = ["--config", "llama3_debugmodel", "--model.n_layers", "2", "--training.local_batch_size", "2"]
 

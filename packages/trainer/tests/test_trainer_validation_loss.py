@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from plait.models.moe.router import TokenChoiceTopKRouter
+from plait.testing.trainer import losses
 from plait.trainer.config import build_config
-from plait.trainer.testing import losses
 from plait.trainer.train import Trainer
 
 

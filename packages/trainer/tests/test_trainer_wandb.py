@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 
+from plait.testing.trainer import train_in_process
 from plait.trainer.cli import main
 from plait.trainer.config import ConfigError, build_config
 from plait.trainer.metrics import MetricsLogger
-from plait.trainer.testing import train_in_process
 
 
 def _wandb_records(path):

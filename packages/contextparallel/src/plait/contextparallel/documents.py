@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from plait.mesh.sentinel import declared_sync
+from plait.mesh.declared_sync import declared_sync
 
 from .layout import Block, plan_blocks
 

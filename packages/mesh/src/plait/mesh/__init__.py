@@ -1,7 +1,8 @@
 """plait.mesh: parallel degrees -> one validated world DeviceMesh with named views.
 
-Also process-group start-up (`init_distributed`), mesh-aware gradient clipping, and, in
-`plait.mesh.testing`, the helper that runs a function on N CPU ranks.
+Also process-group start-up (`init_distributed`), mesh-aware gradient clipping, the errors every
+package reports alike (`plait.mesh.errors`) and `declared_sync` (a host sync made on purpose).
+Tests run on plait-testing (`run_on_ranks`, the step sentinel).
 """
 
 from .device_mesh import Meshes, build_meshes

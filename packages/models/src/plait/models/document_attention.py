@@ -38,7 +38,7 @@ VARLEN_MAX_HEAD_DIM = 256
 
 def kernel_route(q: torch.Tensor, head_dim: int | None = None) -> str:
     """"varlen" where one FlashAttention-2 call serves every document, else "segments". The step
-    sentinel (plait.mesh.sentinel) checks every call's inputs against varlen's preconditions on
+    sentinel (plait.testing.sentinel) checks every call's inputs against varlen's preconditions on
     CPU runs too."""
     head_dim = q.shape[-1] if head_dim is None else head_dim
     ok = q.device.type == "cuda" and q.dtype in _HALF and head_dim % 8 == 0 and head_dim <= VARLEN_MAX_HEAD_DIM

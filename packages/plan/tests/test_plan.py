@@ -7,10 +7,10 @@ import json
 
 import pytest
 
+from plait.plan import cli as plan_cli
+from plait.plan import planning
 from plait.trainer import cli as train_cli
 from plait.trainer.config import ConfigError
-from plait.trainer.plan import cli as plan_cli
-from plait.trainer.plan import planning
 
 SMALL = ["--model.n_layers", "2", "--training.local_batch_size", "2", "--training.seq_len", "64"]
 
@@ -69,7 +69,7 @@ def test_table_json_and_fit(tmp_path, capsys):
 def _search(tmp_path, monkeypatch, extra=()):
     """--plan.search over data-parallel layouts only (this session has no tp / cp / pp packages; the
     search would count those as invalid anyway) of the debug model at 2 ranks."""
-    from plait.trainer.plan import search as plan_search
+    from plait.plan import search as plan_search
 
     monkeypatch.setattr(plan_search, "MAX_TP", 1)
     monkeypatch.setattr(plan_search, "MAX_CP", 1)
@@ -82,7 +82,7 @@ def _search(tmp_path, monkeypatch, extra=()):
 
 
 def test_search_lists_valid_fitting_layouts_by_comm_per_token_as_plait_train_flags(tmp_path, monkeypatch, capsys):
-    from plait.trainer.plan.search import traced_comm_per_token
+    from plait.plan.search import traced_comm_per_token
     from plait.trainer.validate import validate
 
     base, argv, out = _search(tmp_path, monkeypatch)
@@ -160,7 +160,7 @@ def test_host_ops_in_json_positive_and_the_same_for_the_same_plan(tmp_path, caps
 
 
 def _trace(tmp_path, extra, **kwargs):
-    from plait.trainer.plan.trace import trace_step
+    from plait.plan.trace import trace_step
     from plait.trainer.validate import validate
 
     config = plan_cli_config(train_cli.parse_args(["--job.dump_folder", str(tmp_path), *SMALL, *extra]))
@@ -168,7 +168,7 @@ def _trace(tmp_path, extra, **kwargs):
 
 
 def _measured_host_ops(rank, world_size, argv):
-    from plait.trainer.plan.measure import measured_step
+    from plait.plan.measure import measured_step
 
     traced = measured_step(argv)
     return traced.host_ops, traced.host_kernel_ops
@@ -177,7 +177,7 @@ def _measured_host_ops(rank, world_size, argv):
 def test_host_ops_of_a_plan_are_the_real_steps(tmp_path):
     """The traced step (fake tensors) dispatches the ops a real step of the same layout does: the
     first step's optimizer, which also makes its state, counted as a later step's."""
-    from plait.mesh.testing import run_on_ranks
+    from plait.testing import run_on_ranks
 
     traced = _trace(tmp_path, [])
     argv = ["--job.dump_folder", str(tmp_path / "real"), *SMALL]
@@ -197,7 +197,7 @@ def test_moe_ops_do_not_depend_on_the_tokens_each_expert_receives():
     import torch
 
     from plait.models.moe import MoE, TokenChoiceTopKRouter
-    from plait.trainer.plan.host_ops import HostOpCounter
+    from plait.plan.host_ops import HostOpCounter
 
     torch.manual_seed(0)
     moe = MoE(32, 48, 8, 1, TokenChoiceTopKRouter(32, 8, 3, score_func="sigmoid", route_norm=True))
@@ -288,7 +288,7 @@ def _token_folder(path, lengths):
 def test_document_masks_are_traced_with_document_boundaries(tmp_path, monkeypatch, capsys):
     """--plan.document_tokens, or a pre-tokenised folder's mean, or the default: the traced rows
     hold seq_len / that many documents (pp too), shown in the JSON and the printed assumptions."""
-    from plait.trainer.plan import trace, traced_step
+    from plait.plan import trace, traced_step
 
     seen = []
     real = trace.micro_batch
@@ -357,7 +357,7 @@ def test_fsdp_chunks_of_a_large_world_are_torchs(tmp_path, monkeypatch, capsys):
     import torch
     from torch.distributed.fsdp._fully_shard import _fsdp_common
 
-    from plait.trainer.plan.trace import _LazyChunks
+    from plait.plan.trace import _LazyChunks
 
     for rows, ranks in ((256, 100), (1000, 4096), (7, 65), (129280, 1000), (3, 3000)):
         t = torch.arange(rows * 2).reshape(rows, 2)
@@ -366,7 +366,7 @@ def test_fsdp_chunks_of_a_large_world_are_torchs(tmp_path, monkeypatch, capsys):
         for i in (0, 1, ranks // 2, ranks - 1, -1):
             assert lazy[i].shape == eager[i].shape and torch.equal(lazy[i], eager[i])
             assert lazy[i].storage_offset() == eager[i].storage_offset() or eager[i].numel() == 0
-    from plait.trainer.plan import trace
+    from plait.plan import trace
 
     reports = []
     for chunks in (trace.rank_zero_chunks, contextlib.nullcontext):
@@ -412,7 +412,7 @@ def test_a_plan_of_100_000_ranks_takes_seconds_and_a_larger_world_than_the_bound
     (["--plan.search", "--plan.world_size", "2", "--plan.json", "{tmp}"], "cannot write it (Is a directory)"),
 ])
 def test_plan_flags_refused_in_one_line_before_tracing(flags, words, tmp_path, monkeypatch, capsys):
-    from plait.trainer.plan import search, trace
+    from plait.plan import search, trace
 
     def no_trace(*args, **kwargs):
         raise AssertionError("traced before refusing")

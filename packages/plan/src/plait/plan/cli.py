@@ -29,8 +29,9 @@ import math
 import os
 import sys
 
-from .. import exit_codes
-from ..config import ConfigError
+from plait.trainer import exit_codes
+from plait.trainer.config import ConfigError
+
 from .planning import PlanArgs, check_world_size, make_plan  # noqa: F401  (PlanArgs: read here by benchmarks)
 
 PLAN_KEYS = ("world_size", "device", "device_memory_gib", "document_tokens", "json", "search", "search_limit")
@@ -119,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # "2 sequential all_reduce operations" for a 2-D gradient norm: counted in the plan already.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    from ..cli import DEFAULT_CONFIG, parse_args
-    from ..config import build_config, load_toml
+    from plait.trainer.cli import DEFAULT_CONFIG, parse_args
+    from plait.trainer.config import build_config, load_toml
 
     try:
         if any(a in ("-h", "--help") for a in argv):

@@ -121,20 +121,14 @@ def _storage_total(snapshot: dict) -> dict:
 
 
 def trainer_for_step(config, plan, meshes, pm, optimizer, scheduler, device):
-    """A Trainer holding just what `train_step` reads (no data loader, checkpointer or lock)."""
-    from ..moe_step import MoEStep
-    from ..train import Trainer, cross_entropy_loss
+    """plait-train's own StepRunner for one step (no data loader, checkpointer or lock); under pp
+    plan/pipeline.py gives it the schedule (`runner.pipeline`)."""
+    from plait.trainer.moe_step import MoEStep
+    from plait.trainer.step import StepRunner
 
-    trainer = Trainer.__new__(Trainer)
-    trainer.config, trainer.plan, trainer.meshes, trainer.device = config, plan, meshes, device
-    trainer.pm, trainer.model = pm, pm.model
-    trainer.optimizer, trainer.scheduler = optimizer, scheduler
-    trainer.moe = MoEStep.for_model(pm.inner, plan.model_args, meshes, pm.dispatchers,
-                                    whole_model=plan.model if pm.stages else None)
-    trainer.loss_context = trainer._loss_context_factory()
-    trainer.loss_fn = cross_entropy_loss
-    trainer.pipeline = None  # pp > 1: plan/pipeline.py sets the trainer's pipeline
-    return trainer
+    moe = MoEStep.for_model(pm.inner, plan.model_args, meshes, pm.dispatchers,
+                            whole_model=plan.model if pm.stages else None)  # fmt: skip
+    return StepRunner(config, plan, meshes, pm, optimizer, scheduler, device, moe=moe)
 
 
 def micro_batch(config, seq_len: int | None = None, documents_per_row: int = 1):
@@ -195,10 +189,10 @@ def steady_optimizer_ops(ops: HostOpCounter, optimizer, phase: str = STEP):
 
 def build_traced_trainer(config, plan, meshes, device, shims):
     """The trainer's own build (parallelize, optimizer, scheduler) inside the caller's fake world
-    and FakeTensorMode, as a Trainer for one step (trainer_for_step)."""
-    from ..lr_scheduler import build_lr_scheduler
-    from ..optimizer import build_optimizer
-    from ..parallelize import parallelize
+    and FakeTensorMode, as a StepRunner for one step (trainer_for_step)."""
+    from plait.trainer.lr_scheduler import build_lr_scheduler
+    from plait.trainer.optimizer import build_optimizer
+    from plait.trainer.parallelize import parallelize
 
     # Full or sharded init as the run would; parallelize warns that sharded init on CPU draws
     # equal numbers per shard: true, and irrelevant here.

@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from plait.mesh.sentinel import StepSentinel, declared_sync
-from plait.mesh.testing import run_on_ranks
+from plait.mesh.declared_sync import declared_sync
+from plait.testing import run_on_ranks
+from plait.testing.sentinel import StepSentinel
 
 
 def _line(marker: str) -> int:
@@ -75,7 +76,7 @@ def test_each_host_sync_is_recorded_once_at_its_line(name):
         except RuntimeError as e:  # .numpy() without numpy installed: recorded before torch refuses
             if "Numpy is not available" not in str(e):
                 raise
-    assert [(r.kind, _where(r)) for r in s.host_syncs] == [(kind, ("test_mesh_sentinel.py", _line(name)))]
+    assert [(r.kind, _where(r)) for r in s.host_syncs] == [(kind, ("test_sentinel.py", _line(name)))]
     assert s.violations == [] and s.step_counts() == [(1, 0)]
 
 
@@ -144,7 +145,7 @@ def test_step_counts_and_report_per_entry():
                 x.sum().item()  # <- report_item
     assert s.step_counts() == [(0, 0), (2, 0), (1, 0)]
     text = s.report()
-    assert "3 host syncs" in text and f"test_mesh_sentinel.py:{_line('report_item')}" in text
+    assert "3 host syncs" in text and f"test_sentinel.py:{_line('report_item')}" in text
     assert "    3 x item" in text
     # Outside the sentinel nothing is recorded and torch is unpatched.
     x.sum().item()

@@ -94,14 +94,14 @@ def losses(dump: Path) -> list[float]:
 
 def train_in_process(dump: Path, *args: str, sentinel=None) -> list[dict]:
     """Train in this process (`args` as for plait-train, without --nproc-per-node), entering
-    `sentinel` (a plait.mesh.sentinel.StepSentinel) around every step; return the metrics rows
-    (rank 0; other ranks get []). Under plait.mesh.testing.run_on_ranks every rank calls it: the
+    `sentinel` (a plait.testing.sentinel.StepSentinel) around every step; return the metrics rows
+    (rank 0; other ranks get []). Under plait.testing.run_on_ranks every rank calls it: the
     process group is the caller's. Global torch settings the run changes are put back."""
     import torch
 
-    from .cli import DEFAULT_CONFIG, parse_args
-    from .config import build_config, load_toml
-    from .train import Trainer
+    from plait.trainer.cli import DEFAULT_CONFIG, parse_args
+    from plait.trainer.config import build_config, load_toml
+    from plait.trainer.train import Trainer
 
     parsed = parse_args(["--job.dump_folder", str(dump), *args])
     config = build_config(load_toml(parsed.config or DEFAULT_CONFIG), parsed.overrides)
@@ -122,7 +122,7 @@ def train_in_process(dump: Path, *args: str, sentinel=None) -> list[dict]:
 
 
 def _sentinel_rank(rank: int, world_size: int, dump: str, args: list[str]):
-    from plait.mesh.sentinel import StepSentinel
+    from plait.testing.sentinel import StepSentinel
 
     sentinel = StepSentinel()
     rows = train_in_process(Path(dump), *args, sentinel=sentinel)
@@ -130,11 +130,11 @@ def _sentinel_rank(rank: int, world_size: int, dump: str, args: list[str]):
 
 
 def train_with_sentinel(dump: Path, nproc: int, *args: str, timeout: float = 300) -> tuple[list[dict], list, list[str]]:
-    """Train on `nproc` CPU ranks (plait.mesh.testing.run_on_ranks, gloo; also for 1 rank, so the
+    """Train on `nproc` CPU ranks (plait.testing.run_on_ranks, gloo; also for 1 rank, so the
     caller's process keeps its settings) with a step sentinel on every rank. Returns rank 0's
     metrics rows (with `host_syncs` and `precondition_violations`), every rank's
     `step_counts()` and every rank's `report()`."""
-    from plait.mesh.testing import run_on_ranks
+    from plait.testing import run_on_ranks
 
     results = run_on_ranks(_sentinel_rank, nproc, str(dump), list(args), timeout=timeout)
     return results[0][0], [r[1] for r in results], [r[2] for r in results]

@@ -36,8 +36,8 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.tensor import DTensor
 
 from plait.models.documents import row_segments
+from plait.trainer.validate import pipeline_microbatches
 
-from ..validate import pipeline_microbatches
 from .pipeline_order import BUBBLE, StageMemory, p2p_actions, unshard_counts, walk_memory
 
 AGAIN = "again"  # a stage's second micro-batch: adds to the gradients the first one made
@@ -105,7 +105,8 @@ def trace_pipeline_step(config, plan, meshes, device, shims, documents_per_row: 
     FakeTensorMode (plan/trace.py). Returns a StepTrace with its `pipeline` facts."""
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY
 
-    from ..pipeline import build_trainer_pipeline
+    from plait.trainer.pipeline import build_trainer_pipeline
+
     from .collectives import CollectiveCounter, axis_names
     from .host_ops import HostOpCounter
     from .traced_step import (
@@ -135,7 +136,7 @@ def trace_pipeline_step(config, plan, meshes, device, shims, documents_per_row: 
         tokens, labels, documents = micro_batch(dataclasses.replace(
             config, training=dataclasses.replace(t, local_batch_size=t.local_batch_size * t.gradient_accumulation_steps)),
             documents_per_row=documents_per_row)
-    inputs_BS, labels_BS, positions, documents_BS = trainer._local_batch(tokens, labels, documents)
+    inputs_BS, labels_BS, positions, documents_BS = trainer.local_batch(tokens, labels, documents)
     rows = p.pipeline_microbatch_size
     kwargs = {}
     if positions is not None:

@@ -5,7 +5,7 @@ command line (cli.py) and the layout search (search.py) both call.
 
 from dataclasses import dataclass
 
-from ..config import ConfigError
+from plait.trainer.config import ConfigError
 
 # The largest world planned. The trace is rank 0's, but the fake world's meshes hold every rank's
 # number (torch's DeviceMesh: a rank map and its tuple, about 200 bytes a rank): the Llama 3 debug
@@ -79,8 +79,9 @@ def make_plan(config, plan_args: PlanArgs) -> dict:
     routes, and report against the device."""
     import dataclasses
 
-    from ..memory_estimate import estimate_memory
-    from ..validate import validate
+    from plait.trainer.memory_estimate import estimate_memory
+    from plait.trainer.validate import validate
+
     from .devices import DEVICES
     from .report import build_report
     from .trace import trace_step

@@ -4,7 +4,7 @@
 The trainer's own path runs: the meshes of the full world under a fake process group (torch's
 `FakeStore` + backend "fake": every collective returns at once and moves nothing), `parallelize`
 (the same tensor / context / expert / data parallel calls as plait-train) with every tensor a
-FakeTensor (shapes, dtypes and storages, no memory), then `Trainer.train_step` itself on a
+FakeTensor (shapes, dtypes and storages, no memory), then plait-train's own `StepRunner.train_step` on a
 micro-batch of zeros. Around it, torch's MemTracker records memory by kind and the planner's
 CollectiveCounter records every collective, and the HostOpCounter every op the step dispatches
 (host_ops.py: each is a kernel launch on a GPU). `trace_step` works the same on a real process group

@@ -29,7 +29,7 @@ class RankError(RuntimeError):
 
 def _context():
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "plait.mesh.testing"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "plait.testing"])
     return ctx
 
 

@@ -1,4 +1,4 @@
-"""A test-only step sentinel: what would stall or break a GPU, seen on a CPU run.
+"""The step sentinel (tests only): what would stall or break a GPU, seen on a CPU run.
 
 `with StepSentinel() as s:` around a training step records
 
@@ -24,7 +24,7 @@ local tensors and the collectives they issue. A sync already recorded at the fun
 not recorded again by the aten ops it runs.
 
 Code that syncs on purpose (the dropless expert-parallel dispatch's split sizes) wraps the sync
-in `declared_sync("why")`: it still counts, its detail says `declared: why`.
+in `plait.mesh.declared_sync("why")`: it still counts, its detail says `declared: why`.
 """
 
 import contextlib
@@ -37,6 +37,8 @@ from typing import NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from plait.mesh.declared_sync import current_reason, declared_sync
 
 __all__ = ["Record", "StepSentinel", "declared_sync"]
 
@@ -57,7 +59,7 @@ _THIS_FILE = os.path.abspath(__file__)
 _STDLIB_DIR = os.path.dirname(contextlib.__file__) + os.sep
 # torch frames that say nothing about who issued an op (the backward call, decorators)
 _PLUMBING = ("/_dynamo/", "/autograd/", "/utils/_contextlib", "/_tensor.py", "/utils/_python_dispatch", "/_compile.py")
-_local = threading.local()  # .busy: inside a recorded function; .declared: reasons stack
+_local = threading.local()  # .busy: inside a recorded function
 _active: list["StepSentinel"] = []  # entered sentinels (innermost last)
 _patch_lock = threading.Lock()
 
@@ -82,17 +84,6 @@ def _caller() -> tuple[str, str]:
     return "<unknown>", inner_torch
 
 
-@contextlib.contextmanager
-def declared_sync(reason: str):
-    """Mark the host syncs inside as intended (still counted); free when no sentinel is entered."""
-    stack = _local.__dict__.setdefault("declared", [])
-    stack.append(reason)
-    try:
-        yield
-    finally:
-        stack.pop()
-
-
 def _record(kind: str, op: str, detail: str, sync: bool) -> None:
     sentinel = _active[-1] if _active else None
     if sentinel is None or not sentinel._watching_this_thread():
@@ -100,9 +91,9 @@ def _record(kind: str, op: str, detail: str, sync: bool) -> None:
     where, inner = _caller()
     if inner:
         detail = f"{detail} (in {inner})" if detail else f"in {inner}"
-    declared = _local.__dict__.get("declared")
+    declared = current_reason()
     if sync and declared:
-        detail = f"declared: {declared[-1]}; {detail}"
+        detail = f"declared: {declared}; {detail}"
     (sentinel.host_syncs if sync else sentinel.violations).append(Record(kind, op, where, detail))
 
 

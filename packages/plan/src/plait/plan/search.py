@@ -30,7 +30,8 @@ import copy
 import math
 from dataclasses import dataclass, field
 
-from ..config import ConfigError
+from plait.trainer.config import ConfigError
+
 from .collectives import wire_factor
 from .devices import DEVICES, GIB
 from .report import HEADROOM
@@ -139,7 +140,7 @@ def _model_shape(model, info) -> dict:
     """What `_comm_guess` reads: dense and expert parameters, width, depth, MoE layers, top-k."""
     from torch import nn
 
-    from ..memory_estimate import _block_dim, _expert_owner
+    from plait.trainer.memory_estimate import _block_dim, _expert_owner
 
     experts = info.get("experts", [])
     dense = expert = 0
@@ -195,7 +196,7 @@ def traced_comm_per_token(report: dict, world_size: int) -> float:
 
 
 def _with(config, c: Candidate):
-    from ..config import set_value
+    from plait.trainer.config import set_value
 
     candidate = copy.deepcopy(config)
     for key, value in c.overrides():
@@ -214,7 +215,8 @@ def _trace_in_child(config, plan_args) -> dict:
     from torch._subclasses import fake_tensor  # noqa: F401
     from torch.testing._internal.distributed import fake_pg  # noqa: F401
 
-    from .. import lr_scheduler, moe_step, optimizer, parallelize, train  # noqa: F401
+    from plait.trainer import lr_scheduler, moe_step, optimizer, parallelize, train  # noqa: F401
+
     from . import report, trace  # noqa: F401
     from .planning import make_plan
 
@@ -244,8 +246,9 @@ def _trace_in_child(config, plan_args) -> dict:
 
 def search(config, plan_args, progress=None) -> SearchResult:
     """Enumerate, validate, prune and trace (module docstring); `progress(line)` hears each trace."""
-    from ..memory_estimate import estimate_memory
-    from ..validate import validate
+    from plait.trainer.memory_estimate import estimate_memory
+    from plait.trainer.validate import validate
+
     from .planning import PlanArgs
 
     world = plan_args.world_size

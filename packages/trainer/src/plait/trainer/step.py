@@ -1,0 +1,183 @@
+"""One training step, whoever runs it: plait-train's loop (train.py) and plait-plan's traced step
+build a `StepRunner` from the same parts (the parallelized model, the optimizer, the schedule,
+the meshes) and call `train_step(micro_batches)`: the batch split (context parallel's shard,
+document offsets), the loss scale over the global batch, forward / backward per micro-batch (or the
+pipeline schedule), clipping over every mesh, the optimizer and schedule step, MoE bookkeeping.
+"""
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate
+
+from plait.mesh import clip_grad_norm_, grad_norm
+from plait.models.documents import MIN_DOCUMENTS_PER_ROW, documents_capacity, row_segments, to_device_with_segments
+
+from .config import ConfigError
+
+IGNORE_INDEX = -100
+
+
+def cross_entropy_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+    """Summed token cross-entropy in fp32 (labels = -100 are ignored); the caller divides by the
+    global number of valid tokens."""
+    return F.cross_entropy(
+        logits_BSV.flatten(0, 1).float(), labels_BS.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
+class StepRunner:
+    """What one step reads, given at construction: `pm` (parallelize's ParallelModel), its
+    optimizer and LR schedule, `moe` (MoEStep or None), `loss_fn` (the summed token loss, maybe
+    compiled), `pipeline` (the schedule under pp > 1, else None)."""
+
+    def __init__(self, config, plan, meshes, pm, optimizer, scheduler, device: torch.device, *,
+                 moe=None, loss_fn=cross_entropy_loss, pipeline=None):  # fmt: skip
+        self.config, self.plan, self.meshes, self.device = config, plan, meshes, device
+        self.pm, self.model = pm, pm.model
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.moe, self.loss_fn, self.pipeline = moe, loss_fn, pipeline
+        self.loss_context = self._loss_context_factory()
+
+    def _loss_context_factory(self):
+        if self.pm.loss_parallel:
+            tp = self.plan.parallel_modules["tp"]
+            return lambda: tp.loss_parallel_context(True)
+        return contextlib.nullcontext
+
+    # Documents per row the attention offsets have room for (the high-water mark of _read_documents).
+    _documents_capacity = MIN_DOCUMENTS_PER_ROW
+
+    def local_batch(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, document_positions_BS=None):
+        """(tokens, labels, RoPE positions, document positions) this rank computes: under context
+        parallel its share of every sequence in the load-balanced order, with the positions of those
+        tokens (global, or per document); the document positions stay whole rows (attention reads
+        every boundary), and only under attention_mask = "document"."""
+        inputs_BS = inputs_BS.to(self.device, non_blocking=True)
+        labels_BS = labels_BS.to(self.device, non_blocking=True)
+        documents = None
+        if self.plan.model_args.attention_mask == "document":
+            # Room for this batch too, when no step read it first (a planner's traced step).
+            self._documents_capacity = documents_capacity(row_segments(document_positions_BS), self._documents_capacity)
+            documents = to_device_with_segments(document_positions_BS, self.device, self._documents_capacity)
+        layout = self.pm.cp_layout
+        if layout is None:
+            # A later pipeline stage receives hidden states, sequence-sharded under sequence
+            # parallel: it cannot size RoPE from them, so every stage gets the positions.
+            positions = torch.arange(inputs_BS.shape[1], device=self.device) if self.pipeline is not None else None
+            return inputs_BS, labels_BS, positions, documents
+        from plait.contextparallel import shard_batch, shard_sequence
+
+        cp_rank = self.meshes.cp.get_local_rank()
+        tokens, labels, positions = shard_batch(inputs_BS, labels_BS, cp_rank, layout)
+        if documents is not None and self.plan.model_args.rope_positions == "document":
+            positions = shard_sequence(documents, 1, cp_rank, layout)
+        return tokens, labels, positions, documents
+
+    def forward(self, tokens_BS, positions, documents_BS):
+        if documents_BS is None:  # causal: the two-argument call every model takes
+            return self.model(tokens_BS, positions)
+        return self.model(tokens_BS, positions, documents_BS)
+
+    def read_documents(self, micro_batches) -> None:
+        """Under attention_mask = "document": read each micro-batch's segments on the host from the
+        loader's CPU tensor, before the step (so the step itself never reads them back from the
+        device), and refuse per-document positions past the RoPE tables."""
+        args = self.plan.model_args
+        if args.attention_mask != "document":
+            return
+        for _, _, document_positions_BS in micro_batches:
+            # The offsets keep room for the most documents a row has held so far (a power of two):
+            # one shape for the run's compiled blocks and CUDA graphs, growing a handful of times.
+            self._documents_capacity = documents_capacity(row_segments(document_positions_BS), self._documents_capacity)
+            if args.rope_positions == "document":
+                longest = int(document_positions_BS.max()) + 1
+                if longest > args.max_seq_len:
+                    raise ConfigError(
+                        f"model.rope_positions = 'document': a document reaches {longest} tokens, past "
+                        f"model.max_seq_len = {args.max_seq_len} (the RoPE tables): raise model.max_seq_len "
+                        "or set model.rope_positions = 'sequence'."
+                    )
+
+    def _global_token_count(self, labels: list[torch.Tensor]) -> torch.Tensor:
+        """Valid labels over every micro-batch and every dp x cp rank (one all-reduce, no host sync)."""
+        count = torch.stack([(lab != IGNORE_INDEX).sum() for lab in labels]).sum().float()
+        if self.meshes.dp_cp is not None:
+            dist.all_reduce(count, group=self.meshes.dp_cp.get_group())
+        return count.clamp(min=1.0)
+
+    def _aux(self, loss: torch.Tensor, accumulation: int) -> torch.Tensor:
+        aux = self.moe.aux_loss() / accumulation
+        if isinstance(loss, DTensor) and not isinstance(aux, DTensor):
+            # Loss parallel makes the loss a replicated DTensor; the aux loss joins it as one.
+            aux = DTensor.from_local(aux, loss.device_mesh, [Replicate()], run_check=False)
+        return aux
+
+    def _clip(self) -> torch.Tensor:
+        params = list(self.pm.inner.parameters())
+        max_norm = self.config.training.max_norm
+        # Under pipeline parallel each rank holds its stages' parameters: the norm spans the pp ranks.
+        pp = {"pp_mesh": self.meshes.pp} if self.pipeline is not None else {}
+        if max_norm > 0:
+            return clip_grad_norm_(params, max_norm, foreach=True, **pp)
+        return grad_norm(params, foreach=True, **pp)
+
+    def _loss_scale(self, labels: list[torch.Tensor]) -> torch.Tensor:
+        """ranks / valid tokens of the global batch: scaling each rank's loss sum by it makes the
+        step's gradient the mean over every valid token (data parallel averages over dp x cp)."""
+        ranks = self.meshes.dp_cp.size() if self.meshes.dp_cp is not None else 1
+        return ranks / self._global_token_count(labels)
+
+    def _update(self) -> torch.Tensor:
+        """Clip (over every mesh, and every stage under pp), step, schedule; the gradient norm."""
+        norm = self._clip()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        if self.moe is not None:
+            self.moe.after_step()
+        return norm
+
+    def _pipeline_step(self, micro_batches) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step under pipeline parallel: the local batch (the accumulation micro-batches
+        merged, see pipeline.merge_micro_batches) through the schedule; the loss, reported once from
+        the last stage, summed over the pp ranks (the others contribute 0)."""
+        (inputs_BS, labels_BS, positions, documents_BS), = [self.local_batch(*mb) for mb in micro_batches]
+        scale = self._loss_scale([labels_BS])
+        autocast = self.pm.autocast or contextlib.nullcontext()
+        with self.loss_context(), autocast:
+            loss = self.pipeline.step(
+                inputs_BS, labels_BS, scale=scale, positions=positions, document_positions=documents_BS
+            )
+        if isinstance(loss, DTensor):  # tensor parallel: a replicated DTensor
+            loss = loss.full_tensor()
+        step_loss = loss.detach().float().reshape(()) if loss is not None else torch.zeros((), device=self.device)
+        dist.all_reduce(step_loss, group=self.meshes.pp.get_group())
+        return step_loss, self._update()
+
+    def train_step(self, micro_batches) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.pipeline is not None:
+            return self._pipeline_step(micro_batches)
+        accumulation = len(micro_batches)
+        step_loss = torch.zeros((), device=self.device)
+        autocast = self.pm.autocast or contextlib.nullcontext()
+        # A micro-batch is (inputs, labels, document_positions).
+        batches = [self.local_batch(*micro_batch) for micro_batch in micro_batches]
+        # Data parallel averages gradients over the dp x cp ranks; scaling each rank's loss sum by
+        # ranks / (valid tokens of the global batch) makes the step's gradient the mean over every
+        # valid token, however they are split over ranks, micro-batches and ignored labels.
+        scale = self._loss_scale([labels for _, labels, _, _ in batches])
+        for inputs_BS, labels_BS, positions, documents_BS in batches:
+            with self.loss_context():
+                with autocast:
+                    logits_BSV = self.forward(inputs_BS, positions, documents_BS)
+                    loss = self.loss_fn(logits_BSV, labels_BS) * scale
+                    total = loss + self._aux(loss, accumulation) if self.moe and self.moe.aux_enabled else loss
+                total.backward()
+            detached = loss.detach()
+            if isinstance(detached, DTensor):
+                detached = detached.full_tensor()
+            step_loss += detached
+        return step_loss, self._update()
