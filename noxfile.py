@@ -128,11 +128,14 @@ def parity_table(session: nox.Session) -> None:
 
 @nox.session(tags=["test", "lint"])
 def lint(session: nox.Session) -> None:
-    """ruff over every package, the cross-package tests and this file; DESIGN.md's import layers."""
+    """ruff over every package, the cross-package tests and this file; DESIGN.md's import layers;
+    the size limits of packages/*/src."""
     session.install("ruff")
     session.run("ruff", "check", "packages", "tests", "gpu", "benchmarks", "tools", "noxfile.py")
     # DESIGN.md's import layers: allowed packages, no plait.testing at runtime, no import cycles.
     session.run("python", "tools/import_layers.py")
+    # Small pieces: no file over 400 lines, no function over 60, in packages/*/src.
+    session.run("python", "tools/size_limits.py")
 
 
 @nox.session(python=False, tags=["test"])

@@ -278,12 +278,12 @@ def test_a_failed_save_is_one_line_naming_the_folder_and_keeps_the_last_good_one
 
     from plait.checkpoint import state
     from plait.trainer import exit_codes
-    from plait.trainer.train import exit_code_of
+    from plait.trainer.failures import exit_code_of
 
     mgr = manager(tmp_path, *(["checkpoint.async_mode", "async"] if where == "async" else []))
     mgr.load()
     mgr.after_step(1)
-    mgr._wait()
+    mgr.writer.wait()
     good = tmp_path / "checkpoints" / "step-000001"
     assert store.verify_checksums(good, store.check(good)) is None
 
@@ -293,7 +293,7 @@ def test_a_failed_save_is_one_line_naming_the_folder_and_keeps_the_last_good_one
     folder = tmp_path / "checkpoints"
     if where == "under_a_file":  # a real failure, no patching (root ignores chmod): the folder became a file
         (tmp_path / "a_file").write_text("")
-        folder = mgr.folder = tmp_path / "a_file" / "checkpoints"
+        folder = mgr.folder = mgr.writer.folder = tmp_path / "a_file" / "checkpoints"
     elif where == "dcp":
         monkeypatch.setattr(dcp, "save", full)
     elif where == "rng":
@@ -372,10 +372,10 @@ def test_a_stale_lock_is_taken_by_exactly_one_of_many_racing_processes(tmp_path)
 
 def _second_run_takes_its_locks(config, errors) -> None:
     from plait.trainer.config import ConfigError
-    from plait.trainer.train import _take_run_lock
+    from plait.trainer.run_lock import take_run_locks
 
     try:
-        _take_run_lock(config, rank=0).release(0)
+        take_run_locks(config, rank=0).release(0)
         errors.put("")
     except ConfigError as e:
         errors.put(str(e))
@@ -385,7 +385,7 @@ def test_two_runs_with_one_checkpoint_folder_cannot_both_run(tmp_path):
     import multiprocessing
 
     from plait.trainer.config import build_config
-    from plait.trainer.train import _take_run_lock
+    from plait.trainer.run_lock import take_run_locks
 
     shared = tmp_path / "shared-checkpoints"
 
@@ -401,7 +401,7 @@ def test_two_runs_with_one_checkpoint_folder_cannot_both_run(tmp_path):
         proc.join(60)
         return errors.get(timeout=5)
 
-    first = _take_run_lock(config("a"), rank=0)
+    first = take_run_locks(config("a"), rank=0)
     assert json.loads((shared / ".plait-checkpoint.lock").read_text())["dump_folder"] == str(tmp_path / "a")
     error = second_run()
     assert error.startswith("checkpoint.folder = ") and "is in use by another run" in error, error
@@ -418,8 +418,8 @@ def test_two_runs_with_one_checkpoint_folder_cannot_both_run(tmp_path):
 
 
 def test_the_stop_message_names_the_checkpoint_a_resume_uses(trained, tmp_path):
-    from plait.trainer.cli import _stopped_message
     from plait.trainer.config import build_config
+    from plait.trainer.launch import stopped_message
 
     dump = copy_run(trained, tmp_path)
     # The stop's own save was SIGKILLed past job.stop_grace_s: its temporary folder is all there is.
@@ -429,7 +429,7 @@ def test_the_stop_message_names_the_checkpoint_a_resume_uses(trained, tmp_path):
 
     def message(*overrides):
         pairs = [("job.dump_folder", str(dump)), *zip(overrides[::2], overrides[1::2])]
-        return _stopped_message(build_config({}, pairs))
+        return stopped_message(build_config({}, pairs))
 
     text = message("checkpoint.enable", "true")
     assert f"resumes from {dump / 'checkpoints' / 'step-000001'} (step 1)" in text, text
@@ -441,7 +441,7 @@ def test_the_stop_message_names_the_checkpoint_a_resume_uses(trained, tmp_path):
 
 
 def test_failure_summary_names_the_first_rank_and_maps_signals_to_infrastructure():
-    from plait.trainer.cli import failure_summary
+    from plait.trainer.launch import failure_summary
 
     text, code = failure_summary({0: -15, 1: -9}, {0: 100, 1: 100}, 2)  # the case: rank 1 OOM-killed
     assert text.startswith("rank 1 of 2 failed first: it was killed by SIGKILL") and code == 74, text

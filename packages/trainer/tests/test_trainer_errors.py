@@ -8,7 +8,7 @@ import pytest
 
 from plait.trainer.cli import main
 from plait.trainer.config import ConfigError, build_config
-from plait.trainer.train import Trainer, TrainingDiverged
+from plait.trainer.failures import TrainingDiverged, check_finite
 from plait.trainer.validate import validate
 
 
@@ -95,7 +95,7 @@ def test_tokenizer_larger_than_the_model_vocab(tmp_path):
 def test_non_finite_loss_names_the_step():
     rows = [{"step": 3, "loss": 5.0, "grad_norm": 1.0}, {"step": 4, "loss": float("nan"), "grad_norm": 1.0}]
     with pytest.raises(TrainingDiverged, match="loss is nan at step 4: .*optimizer.lr"):
-        Trainer._check_finite(None, rows)
+        check_finite(rows)
 
 
 def test_unwritable_folders_are_found_before_training(tmp_path, capsys):

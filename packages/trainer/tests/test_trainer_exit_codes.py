@@ -10,7 +10,7 @@ import torch
 
 from plait.testing.trainer import rank_pids, run_cli, start_two_ranks
 from plait.trainer import exit_codes
-from plait.trainer.train import exit_code_of, infrastructure_fault
+from plait.trainer.failures import exit_code_of, infrastructure_fault
 
 # fmt: off
 TINY = [
@@ -82,7 +82,7 @@ def test_ctrl_c_under_the_launcher_exits_130(tmp_path):
 
 
 def test_a_stall_blames_the_stalled_rank():
-    from plait.trainer.cli import failure_summary
+    from plait.trainer.launch import failure_summary
     from plait.trainer.rank_notes import TIMEOUT
 
     notes = {0: {"step": 12, "cause": TIMEOUT, "time": 1.0}}

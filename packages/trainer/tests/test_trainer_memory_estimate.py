@@ -12,11 +12,12 @@ from plait.mesh import ParallelDims
 from plait.trainer import memory_estimate
 from plait.trainer.config import ConfigError, _shipped_config, build_config, load_toml
 from plait.trainer.memory_estimate import GIB, estimate_memory
-from plait.trainer.validate import _model_spec, resolve_model_args, validate
+from plait.trainer.model_args import model_spec, resolve_model_args
+from plait.trainer.validate import validate
 
 
 def _meta_model(config):
-    spec = _model_spec(config)
+    spec = model_spec(config)
     with torch.device("meta"):
         model = spec.model_cls(resolve_model_args(config, spec))
     return model, model.parallel_info()

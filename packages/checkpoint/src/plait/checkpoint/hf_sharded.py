@@ -10,8 +10,9 @@ shard plus at most one layer, not the whole model (a 70B model: ~1 GB per layer 
 
 Export: layers are dealt out to the ranks; for each layer every rank joins the all-gathers of its
 parameters (`full_tensor()`), the owner keeps the full tensors, converts them with `to_hf` and
-writes them into its own `model-0000r-of-0000N.safetensors` (under pipeline parallel each stage's
-ranks deal out that stage's layers among themselves); rank 0 writes
+writes them into its own files, `model-0000i-of-0000N.safetensors` of at most 5 GB each
+(huggingface_hub's split, numbered over all writers: hf_shards.py; under pipeline parallel each
+stage's ranks deal out that stage's layers among themselves); rank 0 writes
 `model.safetensors.index.json` (the layout transformers loads) and `config.json`, then publishes
 the folder by renaming it. A rank holds at most its share of the model plus one layer.
 """
@@ -19,7 +20,6 @@ the folder by renaming it. A rank holds at most its share of the model plus one 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import re
 from pathlib import Path
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from . import hf_export, hf_output, store
+from . import hf_export, hf_output, hf_shards, store
 
 _LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.")
 
@@ -241,37 +241,50 @@ def load_hf_sharded(model: torch.nn.Module, path: str | Path, model_name: str, f
                                     f"{model_name} {flavor}, e.g. {missing[0]}")
 
 
-def export_hf_sharded(model: torch.nn.Module, output: str | Path, model_name: str, flavor: str, dtype: torch.dtype,
-                      model_args=None) -> Path:
-    """Write `model` as a Hugging Face folder from all ranks (collective: every rank calls it)."""
-    from plait.models.hf.io import INDEX_FILE, save_file_like_open
+_WHERE = "checkpoint.last_save_in_hf"
 
+
+def export_hf_sharded(model: torch.nn.Module, output: str | Path, model_name: str, flavor: str, dtype: torch.dtype,
+                      model_args=None, max_shard_size: int | str = hf_shards.MAX_SHARD_SIZE) -> Path:
+    """Write `model` as a Hugging Face folder from all ranks (collective: every rank calls it);
+    each writer's files hold at most `max_shard_size` bytes, a larger tensor alone (hf_shards.py)."""
     spec, args = hf_export.spec_and_args(model_name, flavor, model_args)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    # Rank 0 checks the output (a new or empty folder, or an earlier export: hf_output.py) and
-    # makes the marked temporary folder; every rank learns its name, or the same one-line error.
-    where = "checkpoint.last_save_in_hf"
+    tmp = _start(output, model_name, flavor, rank)
+    mine, position = _convert_share(model, spec, args, dtype, rank, world)
+    parts = _write_share(mine, tmp, position, rank, max_shard_size)
+    _finish(parts, tmp, Path(output), spec, args, dtype, rank)
+    return Path(output)
+
+
+def _start(output: str | Path, model_name: str, flavor: str, rank: int) -> Path:
+    """The marked temporary folder the export is written into. Rank 0 checks the output (a new or
+    empty folder, or an earlier export: hf_output.py) and makes it; every rank learns its name, or
+    the same one-line error."""
     verdict = None
     if rank == 0:
         try:
-            out = hf_output.check_output(output, where)
+            out = hf_output.check_output(output, _WHERE)
             verdict = ("ok", str(hf_output.make_temp(out, {"model": model_name, "flavor": flavor})))
         except (store.CheckpointError, OSError) as e:
-            verdict = ("error", f"{where}: cannot write {output}: {e}")
-    if dist.is_initialized():
-        box = [verdict]
-        dist.broadcast_object_list(box, src=0)
-        verdict = box[0]
-    if verdict[0] == "error":
-        raise store.CheckpointError(verdict[1])
-    output, tmp = Path(output), Path(verdict[1])
+            verdict = ("error", f"{_WHERE}: cannot write {output}: {e}")
+    verdict = _from_rank0(verdict)
+    _raise(verdict)
+    return Path(verdict[1])
+
+
+def _convert_share(model: torch.nn.Module, spec, args, dtype: torch.dtype, rank: int,
+                   world: int) -> tuple[dict[str, torch.Tensor], int]:
+    """This rank's share of the layers as HF tensors (on the CPU, in `dtype`) and its position
+    among all writers. Layers are dealt out to the peers (ranks holding the same parameters);
+    every peer joins each layer's all-gathers (`full_tensor()`), only the layer's owner keeps it."""
     local = get_model_state_dict(model)
     groups: dict[int, list[str]] = {}
     for name in local:
         groups.setdefault(_group(name), []).append(name)
     order = sorted(groups)
-    peer, peers, first_file, files = _writers(local, len(order), rank, world)
+    peer, peers, first_writer = hf_shards.writers(local, len(order), rank, world)
     mine: dict[str, torch.Tensor] = {}
     for i, layer in enumerate(order):
         owner = i % min(peers, len(order))
@@ -285,75 +298,78 @@ def export_hf_sharded(model: torch.nn.Module, output: str | Path, model_name: st
             hf = spec.hf_adapter.to_hf(full, args)
             mine.update({k: v.contiguous() if v.is_contiguous() else v.contiguous().clone() for k, v in hf.items()})
         del full
-    file = f"model-{first_file + peer + 1:05d}-of-{files:05d}.safetensors"
-    _barrier()  # rank 0 has made the folder
-    problem = None
-    try:  # a write that fails on one rank (disk full) fails every rank with one line, none waits
-        if mine:
-            save_file_like_open(_unshared(mine), tmp / file, metadata={"format": "pt"})  # 0644, not 0600
+    return mine, first_writer + peer
+
+
+def _write_share(mine: dict[str, torch.Tensor], tmp: Path, position: int, rank: int,
+                 max_shard_size: int | str) -> list[tuple[dict[str, str], int, str | None]]:
+    """Write this rank's tensors into its files (huggingface_hub's split, our numbering over all
+    writers); return every rank's (tensor -> file, bytes, problem). A write that fails on one rank
+    (disk full) reaches every rank as one line, and none waits."""
+    from plait.models.hf.io import save_file_like_open
+
+    files, total = hf_shards.split(mine, max_shard_size)
+    # The writers' file counts number the files in one sequence; the gather also waits for rank 0
+    # to have made the folder.
+    first, count = hf_shards.file_numbers((position, len(files)), _all_gather((position, len(files))))
+    weight_map, problem = {}, None
+    try:
+        for number, names in enumerate(files, start=first):
+            file = hf_shards.file_name(number, count)
+            tensors = hf_shards.unshared({n: mine[n] for n in names})
+            save_file_like_open(tensors, tmp / file, metadata={"format": "pt"})  # 0644, not 0600
+            weight_map.update(dict.fromkeys(names, file))
     except (OSError, RuntimeError) as e:
         problem = f"rank {rank}: {store.cause_of(e)}"
-    listing = ({name: (file, t.numel() * t.element_size()) for name, t in mine.items()}, problem)
-    listings = [listing]
-    if dist.is_initialized():
-        listings = [None] * world
-        dist.all_gather_object(listings, listing)
-    failed = next((p for _, p in listings if p), None)
+    return _all_gather((weight_map, total, problem))
+
+
+def _finish(parts: list[tuple[dict[str, str], int, str | None]], tmp: Path, output: Path, spec, args,
+            dtype: torch.dtype, rank: int) -> None:
+    """Unless a rank's write failed (then the temporary folder is discarded), rank 0 writes the
+    index and config.json and publishes the folder; every rank ends with rank 0's verdict."""
+    from plait.models.hf.io import INDEX_FILE
+
+    failed = next((problem for _, _, problem in parts if problem), None)
     if failed:
         if rank == 0:
             hf_output.discard(tmp)  # ours (marked): nothing half-written is left
-        raise store.CheckpointWriteError(f"{where}: could not write the Hugging Face export {output}: {failed}; "
+        raise store.CheckpointWriteError(f"{_WHERE}: could not write the Hugging Face export {output}: {failed}; "
                                          "nothing was published")
-    listings = [lst for lst, _ in listings]
+    verdict = None
     if rank == 0:
-        weight_map = {n: f for lst in listings for n, (f, _) in lst.items()}
-        total = sum(size for lst in listings for _, size in lst.values())
         try:
-            (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total},
-                                                      "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
-            hf_export.publish_hf_folder(tmp, output, spec, args, dtype, where)
+            hf_shards.write_index(tmp, INDEX_FILE, [(weight_map, size) for weight_map, size, _ in parts])
+            hf_export.publish_hf_folder(tmp, output, spec, args, dtype, _WHERE)
             verdict = ("ok", "")
         except (store.CheckpointError, OSError) as e:
             hf_output.discard(tmp)
             full_disk = isinstance(e, OSError) and not isinstance(e, store.CheckpointError)
-            verdict = ("write" if full_disk else "error", f"{where}: cannot write {output}: {store.cause_of(e)}")
-    if dist.is_initialized():  # every rank ends with rank 0's verdict, none waits alone
+            verdict = ("write" if full_disk else "error", f"{_WHERE}: cannot write {output}: {store.cause_of(e)}")
+    _raise(_from_rank0(verdict))
+
+
+def _from_rank0(verdict):
+    """Rank 0's `verdict` on every rank."""
+    if dist.is_initialized():
         box = [verdict]
         dist.broadcast_object_list(box, src=0)
         verdict = box[0]
+    return verdict
+
+
+def _raise(verdict: tuple[str, str]) -> None:
+    """A verdict as one line: "write" a failed write (CheckpointWriteError), "error" anything else."""
     if verdict[0] == "write":
         raise store.CheckpointWriteError(verdict[1])
     if verdict[0] == "error":
         raise store.CheckpointError(verdict[1])
-    return output
 
 
-def _writers(local: dict, n_groups: int, rank: int, world: int) -> tuple[int, int, int, int]:
-    """(this rank's index among its peers, the peers, the first file index of its peers, files
-    in all). Peers are the ranks holding the same parameters: every rank without pipeline
-    parallel, one pp stage's ranks with it (their DTensors' collectives span just them). Each
-    peer set deals its layers out to min(peers, layers) writers, one file each."""
+def _all_gather(obj) -> list:
+    """`obj` from every rank, in rank order ([obj] without a process group)."""
     if not dist.is_initialized():
-        return 0, 1, 0, 1
-    names = hashlib.sha256("\n".join(sorted(local)).encode()).hexdigest()  # not the names: 512 ranks gather it
-    keys = [None] * world
-    dist.all_gather_object(keys, (names, n_groups))
-    sets = list(dict.fromkeys(keys))  # in order of their first rank
-    writers = [min(keys.count(key), key[1]) for key in sets]
-    mine = sets.index(keys[rank])
-    return keys[:rank].count(keys[rank]), keys.count(keys[rank]), sum(writers[:mine]), sum(writers)
-
-
-def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """safetensors refuses tensors sharing storage (a tied head): give repeats their own copy."""
-    seen, out = set(), {}
-    for name, t in tensors.items():
-        ptr = t.untyped_storage().data_ptr()
-        out[name] = t.clone() if ptr in seen else t
-        seen.add(ptr)
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
     return out
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()

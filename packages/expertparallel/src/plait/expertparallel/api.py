@@ -246,29 +246,36 @@ def apply_expert_parallel(
     for path, module in modules.items():
         num_experts = next(module.parameters()).shape[0]
         _shard_experts(module, ep_mesh, ep_etp_mesh)
-        # One padding rule on every path and device: the module's (CPU tensors are CUDA's tensors).
-        alignment = config.alignment or getattr(module, "group_alignment", 1)
-        if config.capacity_factor > 0:
-            dispatcher = CapacityDispatcher(
-                ep_mesh.get_group(), num_experts, config.capacity_factor, alignment, config.capacity_rows,
-                check_rows=not config.rows_equal_by_construction, device=ep_mesh.device_type,
-            )
-        else:
-            dispatcher = AllToAllDispatcher(
-                ep_mesh.get_group(), num_experts, module.permute_and_pad, module.unpermute, alignment
-            )
-        if hasattr(module, "pad_groups"):
-            module.pad_groups = False  # the dispatcher hands it aligned groups
-        deferred = path in overlaps and split is None
-        hooks = _DispatchHooks(dispatcher, split, config.capacity_factor > 0 and _takes_group_rows(module), deferred)
-        module.register_forward_pre_hook(hooks.before, with_kwargs=True)
-        module.register_forward_hook(hooks.after)
-        if deferred:
-            overlaps[path].register_forward_hook(hooks.link)
-            parent = path.rpartition(".")[0]
-            model.get_submodule(parent).register_forward_hook(hooks.check_linked)
-        dispatchers[path] = dispatcher
+        dispatchers[path] = _attach_dispatcher(model, path, module, num_experts, ep_mesh, config, split,
+                                               overlaps.get(path))
     return dispatchers
+
+
+def _attach_dispatcher(model: nn.Module, path: str, module: nn.Module, num_experts: int, ep_mesh: DeviceMesh,
+                       config: ExpertParallelConfig, split, overlap: nn.Module | None):
+    """The dispatcher of one sharded experts module (`num_experts`: all ranks'), hooked around its forward."""
+    # One padding rule on every path and device: the module's (CPU tensors are CUDA's tensors).
+    alignment = config.alignment or getattr(module, "group_alignment", 1)
+    if config.capacity_factor > 0:
+        dispatcher = CapacityDispatcher(
+            ep_mesh.get_group(), num_experts, config.capacity_factor, alignment, config.capacity_rows,
+            check_rows=not config.rows_equal_by_construction, device=ep_mesh.device_type,
+        )
+    else:
+        dispatcher = AllToAllDispatcher(
+            ep_mesh.get_group(), num_experts, module.permute_and_pad, module.unpermute, alignment
+        )
+    if hasattr(module, "pad_groups"):
+        module.pad_groups = False  # the dispatcher hands it aligned groups
+    deferred = overlap is not None and split is None
+    hooks = _DispatchHooks(dispatcher, split, config.capacity_factor > 0 and _takes_group_rows(module), deferred)
+    module.register_forward_pre_hook(hooks.before, with_kwargs=True)
+    module.register_forward_hook(hooks.after)
+    if deferred:
+        overlap.register_forward_hook(hooks.link)
+        parent = path.rpartition(".")[0]
+        model.get_submodule(parent).register_forward_hook(hooks.check_linked)
+    return dispatcher
 
 
 __all__ = ["ExpertParallelConfig", "apply_expert_parallel", "validate_expert_parallel"]

@@ -15,38 +15,17 @@ def build_report(config, plan, traced, device: Device, device_memory_gib: float,
     traced rows' documents (cli.documents_per_row)."""
     t, dims = config.training, plan.dims
     documents = documents or {"document_tokens": t.seq_len, "documents_per_row": 1, "source": "one per row"}
-    document_mask = getattr(plan.model_args, "attention_mask", "causal") == "document"
-    accumulation = t.gradient_accumulation_steps
-    # A rank computes 1 / (tp x cp) of each of its sequences (the trainer's metrics count it so);
-    # under pp, its stages' share of the blocks.
-    tokens_per_rank = t.local_batch_size * t.seq_len * accumulation / (dims.tp * dims.cp)
     pipe = traced.pipeline or None
-    share = pipe["blocks"] / pipe["model_blocks"] if pipe else 1.0
-    flops = plan.model.flops_per_token(t.seq_len) * tokens_per_rank * share
-    compute_s = flops / (device.bf16_tflops * 1e12)
-    # The pipeline's bubble: idle time of a stage, as a fraction of the step (pipeline.BUBBLE).
-    compute_s /= 1 - (pipe["bubble"] if pipe else 0.0)
-    comm = []
-    for key, row in traced.collectives.items():
-        axis, kind = key.split("/")
-        wire = row["bytes"] * wire_factor(kind, row["ranks"])
-        gb_s = link_gb_s(device, row["span"])
-        comm.append({"axis": axis, "kind": kind, "count": row["count"], "bytes": row["bytes"], "ranks": row["ranks"],
-                     "link": "nvlink" if gb_s == device.nvlink_gb_s else "ib", "seconds": wire / (gb_s * 1e9)})
+    flops, compute_s = _compute(config, plan, pipe, device)
+    comm = _communication(traced.collectives, device)
     comm_s = sum(c["seconds"] for c in comm)
     limit = device_memory_gib * GIB * (1 - HEADROOM)
-    # The traced step is a run's first: AdamW makes its state in that step's optimizer step, so a
-    # peak reached in forward or backward had no state alive. From step 2 on it is alive all
-    # through (and gradients are freed each step): a later step's peak adds it.
-    peak, parts = traced.peak, dict(traced.peak_parts)
-    if traced.optimizer and not parts.get("Optstate"):
-        peak += traced.optimizer
-        parts["Optstate"] = traced.optimizer
+    peak, parts = _steady_peak(traced)
     return {
         "config": f"{config.model.name} {config.model.flavor}",
         "layout": {**asdict(dims), "efsdp": dims.efsdp if dims.ep > 1 else None},
         "micro_batch": [t.local_batch_size, t.seq_len],
-        "gradient_accumulation_steps": accumulation,
+        "gradient_accumulation_steps": t.gradient_accumulation_steps,
         "activation_checkpoint": t.activation_checkpoint,
         "dtype": t.dtype,
         "kernel_route": "gpu",  # what the step was traced through (trace.gpu_kernel_routes)
@@ -74,28 +53,74 @@ def build_report(config, plan, traced, device: Device, device_memory_gib: float,
         "communication_seconds": comm_s,
         "ideal_step_seconds": max(compute_s, comm_s),
         "serial_step_seconds": compute_s + comm_s,
-        "assumptions": [
-            device.assumptions(),
-            "kernels: the GPU's routes (bf16 products and attention in bf16, MLA's attention without padded "
-            "values), traced with fake tensors on this CPU whatever its bf16 units",
-            f"no tokenizer or dataset read: the model's vocab_size {plan.model_args.vocab_size} sizes the embedding "
-            "and logits",
-            (f"document mask: {documents['documents_per_row']} documents of {t.seq_len // documents['documents_per_row']}"
-             f" tokens per row (mean document length {documents['document_tokens']}: {documents['source']})"
-             if document_mask else "causal mask: documents not traced"),
-            "FLOPs: the model's flops_per_token (6 x params + attention; activation-checkpoint recompute not counted)",
-            "memory: the peak of a step after the first (the first step's traced peak plus the optimizer state "
-            "when that peak came before the state existed); torch's MemTracker over one traced step (parameters, gradients, optimizer state, activations, "
-            "temporaries); no CUDA context, allocator fragmentation or NCCL buffers",
-            "dropless expert parallel: balanced routing (each MoE layer's rows split evenly over the ep ranks)",
-            "training.compile is traced eagerly (host ops: the eager step's)",
-            *(["host ops: the traced micro-batch's times the accumulation steps, plus the step's once (the later "
-               "micro-batches' adds into the held gradients not counted)"] if accumulation > 1 and not pipe else []),
-            *(["pipeline: one micro-batch traced per stage, the step composed along torch's action order; "
-               f"FLOPs: this rank's {pipe['blocks']} of {pipe['model_blocks']} blocks; compute time includes the "
-               f"bubble {pipe['bubble_formula']}"] if pipe else []),
-        ],
+        "assumptions": _assumptions(config, plan, device, documents, pipe),
     }
+
+
+def _compute(config, plan, pipe: dict | None, device: Device) -> tuple[float, float]:
+    """FLOPs of a rank per step and their time at the device's dense bf16 peak."""
+    t, dims = config.training, plan.dims
+    # A rank computes 1 / (tp x cp) of each of its sequences (the trainer's metrics count it so);
+    # under pp, its stages' share of the blocks.
+    tokens_per_rank = t.local_batch_size * t.seq_len * t.gradient_accumulation_steps / (dims.tp * dims.cp)
+    share = pipe["blocks"] / pipe["model_blocks"] if pipe else 1.0
+    flops = plan.model.flops_per_token(t.seq_len) * tokens_per_rank * share
+    compute_s = flops / (device.bf16_tflops * 1e12)
+    # The pipeline's bubble: idle time of a stage, as a fraction of the step (pipeline.BUBBLE).
+    compute_s /= 1 - (pipe["bubble"] if pipe else 0.0)
+    return flops, compute_s
+
+
+def _communication(collectives: dict, device: Device) -> list[dict]:
+    """Each traced collective's bytes on the wire and time over its link."""
+    comm = []
+    for key, row in collectives.items():
+        axis, kind = key.split("/")
+        wire = row["bytes"] * wire_factor(kind, row["ranks"])
+        gb_s = link_gb_s(device, row["span"])
+        comm.append({"axis": axis, "kind": kind, "count": row["count"], "bytes": row["bytes"], "ranks": row["ranks"],
+                     "link": "nvlink" if gb_s == device.nvlink_gb_s else "ib", "seconds": wire / (gb_s * 1e9)})
+    return comm
+
+
+def _steady_peak(traced) -> tuple[int, dict]:
+    """The peak of a step after the first, and its parts."""
+    # The traced step is a run's first: AdamW makes its state in that step's optimizer step, so a
+    # peak reached in forward or backward had no state alive. From step 2 on it is alive all
+    # through (and gradients are freed each step): a later step's peak adds it.
+    peak, parts = traced.peak, dict(traced.peak_parts)
+    if traced.optimizer and not parts.get("Optstate"):
+        peak += traced.optimizer
+        parts["Optstate"] = traced.optimizer
+    return peak, parts
+
+
+def _assumptions(config, plan, device: Device, documents: dict, pipe: dict | None) -> list[str]:
+    """What the plan's numbers assume, printed under them."""
+    t = config.training
+    document_mask = getattr(plan.model_args, "attention_mask", "causal") == "document"
+    return [
+        device.assumptions(),
+        "kernels: the GPU's routes (bf16 products and attention in bf16, MLA's attention without padded "
+        "values), traced with fake tensors on this CPU whatever its bf16 units",
+        f"no tokenizer or dataset read: the model's vocab_size {plan.model_args.vocab_size} sizes the embedding "
+        "and logits",
+        (f"document mask: {documents['documents_per_row']} documents of {t.seq_len // documents['documents_per_row']}"
+         f" tokens per row (mean document length {documents['document_tokens']}: {documents['source']})"
+         if document_mask else "causal mask: documents not traced"),
+        "FLOPs: the model's flops_per_token (6 x params + attention; activation-checkpoint recompute not counted)",
+        "memory: the peak of a step after the first (the first step's traced peak plus the optimizer state "
+        "when that peak came before the state existed); torch's MemTracker over one traced step (parameters, gradients, optimizer state, activations, "
+        "temporaries); no CUDA context, allocator fragmentation or NCCL buffers",
+        "dropless expert parallel: balanced routing (each MoE layer's rows split evenly over the ep ranks)",
+        "training.compile is traced eagerly (host ops: the eager step's)",
+        *(["host ops: the traced micro-batch's times the accumulation steps, plus the step's once (the later "
+           "micro-batches' adds into the held gradients not counted)"] if t.gradient_accumulation_steps > 1 and not pipe
+          else []),
+        *(["pipeline: one micro-batch traced per stage, the step composed along torch's action order; "
+           f"FLOPs: this rank's {pipe['blocks']} of {pipe['model_blocks']} blocks; compute time includes the "
+           f"bubble {pipe['bubble_formula']}"] if pipe else []),
+    ]
 
 
 def _gib(n: float) -> str:

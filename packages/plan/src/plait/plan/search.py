@@ -16,7 +16,7 @@ For the config's model, sequence length and global batch it enumerates candidate
 Each goes through plait-train's `validate` (invalid ones are counted, not shown); the analytic
 estimate of `memory_estimate.py` drops those over twice the usable memory; the rest are traced
 with the real planner (`make_plan`), at most --plan.search_limit of them. Which first: those the
-estimate says fit, in the order of a rough analytic bytes-per-token figure (`_comm_guess`, used for
+estimate says fit, in the order of a rough analytic bytes-per-token figure (comm_guess.py, used for
 that order only; every number printed is traced). Once a layout's degrees fit, their other AC and
 micro-batch variants are not traced (they send more per token: smaller micro-batches repeat
 FSDP's gathers, full AC repeats TP's collectives); once a candidate does not fit, the ones that
@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from plait.trainer.config import ConfigError
 
 from .collectives import wire_factor
+from .comm_guess import comm_guess, model_shape
 from .devices import DEVICES, GIB
 from .report import HEADROOM
 
@@ -136,56 +137,6 @@ def global_sequences(config, world_size: int) -> int:
     return t.local_batch_size * t.gradient_accumulation_steps * dp
 
 
-def _model_shape(model, info) -> dict:
-    """What `_comm_guess` reads: dense and expert parameters, width, depth, MoE layers, top-k."""
-    from torch import nn
-
-    from plait.trainer.memory_estimate import _block_dim, _expert_owner
-
-    experts = info.get("experts", [])
-    dense = expert = 0
-    for name, p in model.named_parameters():
-        if _expert_owner(name.rsplit(".", 1)[0], experts):
-            expert += p.numel()
-        else:
-            dense += p.numel()
-    blocks = info.get("blocks", [])
-    first = model.get_submodule(blocks[0]) if blocks else model
-    moe_layers = sum(1 for b in blocks if any(e.startswith(b + ".") for e in experts))
-    top_k = max((getattr(m, "top_k", 1) for m in model.modules() if not isinstance(m, nn.Linear)), default=1)
-    return {"dense": dense, "expert": expert, "dim": _block_dim(model, first), "layers": len(blocks),
-            "moe_layers": moe_layers, "top_k": top_k}
-
-
-def _comm_guess(c: Candidate, shape: dict, seq_len: int, act_bytes: int, world_size: int) -> float:
-    """Rough wire bytes per token of a rank (ring collectives): FSDP's two gathers and fp32
-    reduce-scatter per micro-batch, replicate's fp32 all-reduce per micro-batch (the trainer
-    reduces every micro-batch's gradients), TP's four collectives per block
-    each way (six forward with full AC's recompute), CP's K/V gather and gradient scatter, EP's four
-    all-to-alls per MoE layer; under pp a rank holds 1 / pp of the model, FSDP gathers once per step
-    and a micro-batch's hidden state crosses each stage boundary both ways. Orders the traces only."""
-    def ring(n):
-        return (n - 1) / n if n > 1 else 0.0
-
-    fsdp = c.dp_shard * c.cp
-    tokens = c.local_batch_size * seq_len / c.cp  # per micro-batch, per cp rank (tp ranks share them)
-    layers, moe_layers = shape["layers"] / c.pp, shape["moe_layers"] / c.pp
-    per_micro = (2 * act_bytes + 4) * shape["dense"] / (c.tp * c.pp) * ring(fsdp)
-    efsdp = fsdp * c.tp // (c.ep * c.etp) if c.ep > 1 else fsdp
-    per_micro += (2 * act_bytes + 4) * shape["expert"] / c.pp / (c.ep * c.etp if c.ep > 1 else c.tp) * ring(efsdp)
-    tp_collectives = 8 + (4 if c.ac == "full" else 0)
-    per_micro += layers * tp_collectives * tokens * shape["dim"] * act_bytes * ring(c.tp)
-    per_micro += layers * 2 * 2 * tokens * c.cp * shape["dim"] / 2 / c.tp * act_bytes * ring(c.cp)
-    ep_calls = 4 + (2 if c.ac == "full" else 0)
-    per_micro += moe_layers * ep_calls * tokens / c.tp * shape["top_k"] * shape["dim"] * act_bytes * ring(c.ep)
-    per_micro += 4 * (shape["dense"] / (c.tp * c.pp * fsdp)) * 2 * ring(c.dp_replicate)
-    if c.pp > 1:
-        per_micro += 2 * tokens / c.tp * shape["dim"] * act_bytes
-    per_step = per_micro * c.accumulation
-    tokens_per_rank = c.local_batch_size * c.accumulation * seq_len * c.dp_replicate * c.dp_shard / world_size
-    return per_step / tokens_per_rank
-
-
 def traced_comm_per_token(report: dict, world_size: int) -> float:
     """Wire bytes per token of a traced plan (see the module docstring)."""
     wire = sum(c["bytes"] * wire_factor(c["kind"], c["ranks"]) for c in report["communication"])
@@ -244,34 +195,62 @@ def _trace_in_child(config, plan_args) -> dict:
     return value
 
 
+@dataclass
+class _Space:
+    """What every candidate of one search is laid out on and measured against."""
+
+    world: int
+    base: object  # the config with pp 1 (each candidate sets its own degrees)
+    usable: float  # bytes of a device's memory a plan may use
+    n_experts: int  # routed experts of the model (0: dense)
+    shape: dict  # comm_guess.model_shape
+    seq_len: int
+    act_bytes: int
+    wanted: int  # global_sequences of the config
+
+
 def search(config, plan_args, progress=None) -> SearchResult:
     """Enumerate, validate, prune and trace (module docstring); `progress(line)` hears each trace."""
-    from plait.trainer.memory_estimate import estimate_memory
-    from plait.trainer.validate import validate
+    space = _search_space(config, plan_args)
+    limit = plan_args.search_limit if plan_args.search_limit is not None else DEFAULT_LIMIT
+    result = SearchResult(space.world, 0, space.wanted)
+    result.counts = {"candidates": 0, "invalid": 0, "over_memory": 0, "traced": 0, "fit": 0, "do_not_fit": 0,
+                     "trace_failed": 0, "not_traced_limit": 0, "variants_of_fitting": 0, "heavier_than_not_fitting": 0}
+    queue = _candidates(space, result)
+    # Equal guesses (no FSDP to repeat): the larger micro-batch, then the lighter AC (less recompute).
+    queue.sort(key=lambda c: (c.estimate > space.usable, c.guess, -c.local_batch_size, AC_MODES.index(c.ac)))
+    _trace_queue(queue, space, plan_args, limit, result, progress)
+    result.fits.sort(key=lambda r: r["comm_bytes_per_token"])
+    return result
 
-    from .planning import PlanArgs
+
+def _search_space(config, plan_args) -> _Space:
+    """The world, the usable memory, and the model as plait-train builds it (validated once, on one
+    FSDP group of the whole world)."""
+    from plait.trainer.validate import validate
 
     world = plan_args.world_size
     if not world:
         raise ConfigError("--plan.search needs --plan.world_size N (the ranks to lay the model out on).")
-    limit = plan_args.search_limit if plan_args.search_limit is not None else DEFAULT_LIMIT
     device = DEVICES[plan_args.device]
     usable = (plan_args.device_memory_gib or device.memory_gib) * GIB * (1 - HEADROOM)
     base = copy.deepcopy(config)
     base.parallelism.pp = 1
     first = validate(_with(base, Candidate(1, 1, world, 1, 1, 1, 1, 1, 1, "none")), world_size=world, need_data=False)
-    n_experts = _routed_experts(first.model, first.info)
-    shape = _model_shape(first.model, first.info)
-    seq_len = config.training.seq_len
-    act_bytes = 2 if config.training.dtype == "bfloat16" else 4
-    wanted = global_sequences(config, world)
-    result = SearchResult(world, 0, wanted)
-    counts = {"candidates": 0, "invalid": 0, "over_memory": 0, "traced": 0, "fit": 0, "do_not_fit": 0,
-              "trace_failed": 0, "not_traced_limit": 0, "variants_of_fitting": 0, "heavier_than_not_fitting": 0}
-    queue, valid_cache = [], {}
-    for degrees in degree_layouts(world, n_experts):
+    return _Space(world, base, usable, n_experts=_routed_experts(first.model, first.info),
+                  shape=model_shape(first.model, first.info), seq_len=config.training.seq_len,
+                  act_bytes=2 if config.training.dtype == "bfloat16" else 4, wanted=global_sequences(config, world))
+
+
+def _candidates(space: _Space, result: SearchResult) -> list[Candidate]:
+    """The candidates that validate and that the analytic estimate keeps, each with its estimate and
+    comm guess; result's counts and global_sequences follow."""
+    from plait.trainer.memory_estimate import estimate_memory
+
+    counts, queue, valid_cache = result.counts, [], {}
+    for degrees in degree_layouts(space.world, space.n_experts):
         dp = degrees[1] * degrees[2]
-        per_rank = wanted // dp if wanted % dp == 0 and wanted >= dp else 1
+        per_rank = space.wanted // dp if space.wanted % dp == 0 and space.wanted >= dp else 1
         result.global_sequences = max(result.global_sequences, per_rank * dp)
         # Under pp the local batch is one pipeline step of per_rank micro-batches.
         batches = [per_rank] if degrees[0] > 1 else [b for b in _powers_of_two(per_rank) if per_rank % b == 0]
@@ -281,44 +260,51 @@ def search(config, plan_args, progress=None) -> SearchResult:
                 counts["candidates"] += 1
                 key = (degrees, lbs)  # validate reads no AC setting: once per degrees and micro-batch
                 if key not in valid_cache:
-                    try:
-                        valid_cache[key] = validate(_with(base, c), world_size=world, need_data=False)
-                    except ConfigError:
-                        valid_cache[key] = None
+                    valid_cache[key] = _validated(space, c)
                 plan = valid_cache[key]
                 if plan is None:
                     counts["invalid"] += 1
                     continue
-                candidate_config = _with(base, c)
-                c.estimate = estimate_memory(candidate_config, plan.dims, plan.model, plan.info).total
-                if c.estimate > PRUNE_FACTOR * usable:
+                c.estimate = estimate_memory(_with(space.base, c), plan.dims, plan.model, plan.info).total
+                if c.estimate > PRUNE_FACTOR * space.usable:
                     counts["over_memory"] += 1
                     continue
-                c.guess = _comm_guess(c, shape, seq_len, act_bytes, world)
+                c.guess = comm_guess(c, space.shape, space.seq_len, space.act_bytes, space.world)
                 queue.append(c)
-    # Equal guesses (no FSDP to repeat): the larger micro-batch, then the lighter AC (less recompute).
-    queue.sort(key=lambda c: (c.estimate > usable, c.guess, -c.local_batch_size, AC_MODES.index(c.ac)))
-    fitting_degrees, refused = set(), []
+    return queue
+
+
+def _validated(space: _Space, c: Candidate):
+    """plait-train's validation of the candidate's config, or None where it refuses it."""
+    from plait.trainer.validate import validate
+
+    try:
+        return validate(_with(space.base, c), world_size=space.world, need_data=False)
+    except ConfigError:
+        return None
+
+
+def _trace_queue(queue: list[Candidate], space: _Space, plan_args, limit: int, result: SearchResult,
+                 progress) -> None:
+    """Trace the queue in its order, at most `limit`, skipping what need not be (module docstring)."""
+    from .planning import PlanArgs
+
+    counts, fitting_degrees, refused = result.counts, set(), []
     for c in queue:
-        if c.degrees in fitting_degrees:
-            counts["variants_of_fitting"] += 1
-            continue
-        if any(c.heavier_or_equal(r) for r in refused):
-            counts["heavier_than_not_fitting"] += 1
-            continue
-        if counts["traced"] >= limit:
-            counts["not_traced_limit"] += 1
+        skipped = _skipped(c, fitting_degrees, refused, counts["traced"], limit)
+        if skipped:
+            counts[skipped] += 1
             continue
         counts["traced"] += 1
-        args = PlanArgs(world_size=world, device=plan_args.device, device_memory_gib=plan_args.device_memory_gib,
+        args = PlanArgs(world_size=space.world, device=plan_args.device, device_memory_gib=plan_args.device_memory_gib,
                         document_tokens=plan_args.document_tokens)
         try:
-            report = _trace_in_child(_with(base, c), args)
+            report = _trace_in_child(_with(space.base, c), args)
         except RuntimeError as e:  # a layout the tracer cannot follow is reported, not fatal
             counts["trace_failed"] += 1
             result.failed.append({"flags": c.flags(), "error": str(e)})
             continue
-        row = {"flags": c.flags(), "comm_bytes_per_token": traced_comm_per_token(report, world),
+        row = {"flags": c.flags(), "comm_bytes_per_token": traced_comm_per_token(report, space.world),
                "analytic_estimate": c.estimate, "report": report}
         if report["fits"]:
             counts["fit"] += 1
@@ -331,9 +317,17 @@ def search(config, plan_args, progress=None) -> SearchResult:
         if progress:
             progress(f"traced {counts['traced']}/{limit}: {' '.join(c.flags())}: peak "
                      f"{report['memory']['peak'] / GIB:.1f} GiB, {'fits' if report['fits'] else 'does not fit'}")
-    result.fits.sort(key=lambda r: r["comm_bytes_per_token"])
-    result.counts = counts
-    return result
+
+
+def _skipped(c: Candidate, fitting_degrees: set, refused: list[Candidate], traced: int, limit: int) -> str | None:
+    """The count a candidate left untraced falls under, or None to trace it."""
+    if c.degrees in fitting_degrees:
+        return "variants_of_fitting"
+    if any(c.heavier_or_equal(r) for r in refused):
+        return "heavier_than_not_fitting"
+    if traced >= limit:
+        return "not_traced_limit"
+    return None
 
 
 def _layout(flags: list[str]) -> str:

@@ -36,6 +36,7 @@ from .traced_step import (  # noqa: F401  (re-exported: the planner's tests and 
     _storage_total,
     build_traced_trainer,
     micro_batch,
+    optimizer_state_bytes,
     steady_optimizer_ops,
     trainer_for_step,
 )
@@ -50,73 +51,29 @@ def measure_step(trainer, micro_batches, accumulation: int = 1) -> StepTrace:
     ops = HostOpCounter(STEP)
     ops.skip.add(FIRST_OPTIMIZER_STEP)
     tracker = PeakTracker()
-    inner = trainer.pm.inner
-    tracker.track_external(inner, trainer.optimizer)
-    seen = {}
-
-    original_context, original_loss = trainer.loss_context, trainer.loss_fn
-
-    @contextlib.contextmanager
-    def micro_batch_phase():
-        counter.phase = ops.phase = MICRO
-        if seen.get("micro_batches"):
-            tracker.reset_mod_stats()  # the next micro-batch runs the same modules again
-        seen["micro_batches"] = seen.get("micro_batches", 0) + 1
-        try:
-            with original_context():
-                yield
-        finally:
-            counter.phase = ops.phase = STEP
-
-    def loss_fn(logits_BSV, labels_BS):
-        # After the model's forward: what is alive now is kept for backward (the logits included).
-        if "activations" not in seen:
-            parts = _storage_total(tracker.get_tracker_snapshot("current"))
-            seen["activations"] = parts.get("Activation", 0)
-            seen["logits"] = _local_bytes([logits_BSV])
-        return original_loss(logits_BSV, labels_BS)
-
-    trainer.loss_context, trainer.loss_fn = micro_batch_phase, loss_fn
-    grads = {}
-
-    def keep_grads(optimizer, args, kwargs):
-        grads["bytes"] = _local_bytes(p.grad for p in inner.parameters())
-        grads["peak"] = max(tracker._peak_mem.values(), default=0)  # forward + backward's peak
-        grads["where"] = tracker.peak_where
-
-    hook = trainer.optimizer.register_step_pre_hook(keep_grads)
+    tracker.track_external(trainer.pm.inner, trainer.optimizer)
+    hooks = _StepHooks(trainer, counter, ops, tracker)
     dispatchers = list((trainer.pm.dispatchers or {}).values())
     syncs_before = sum(getattr(d, "host_syncs", 0) for d in dispatchers)
     try:
         with steady_optimizer_ops(ops, trainer.optimizer):
             with tracker, counter, ops:
                 trainer.train_step(micro_batches)
-            hook.remove()  # before the optimizer's second step: the first one's gradients are the step's
+            hooks.grads_hook.remove()  # before the optimizer's second step: the first one's gradients are the step's
     finally:
-        hook.remove()
-        trainer.loss_context, trainer.loss_fn = original_context, original_loss
-    peak = tracker.get_tracker_snapshot("peak")
-    optimizer_bytes = _local_bytes(v for s in trainer.optimizer.state.values() for v in s.values()
-                                   if isinstance(v, torch.Tensor) and v.dim() > 0)
-    peak_bytes = max(tracker._peak_mem.values(), default=0)
-    where = tracker.peak_where
-    if accumulation > 1 and grads:
-        # Traced once, run `accumulation` times: from the second micro-batch on, the gradients of
-        # the ones before are held through forward and backward.
-        later = grads["peak"] + grads["bytes"]
-        if later > peak_bytes:
-            peak_bytes, where = later, grads["where"]
+        hooks.remove()
+    peak_bytes, where = _accumulated_peak(tracker, hooks.grads, accumulation)
     t = trainer.config.training
     return StepTrace(
-        params=_local_bytes(inner.parameters()),
-        grads=grads.get("bytes", 0),
-        optimizer=optimizer_bytes,
-        activations=seen.get("activations", 0),
-        logits=seen.get("logits", 0),
+        params=_local_bytes(trainer.pm.inner.parameters()),
+        grads=hooks.grads.get("bytes", 0),
+        optimizer=optimizer_state_bytes(trainer.optimizer),
+        activations=hooks.seen.get("activations", 0),
+        logits=hooks.seen.get("logits", 0),
         peak=peak_bytes,
         peak_module=where[0],
         peak_phase=where[1],
-        peak_parts={k: v for k, v in _storage_total(peak).items() if k != "Total"},
+        peak_parts={k: v for k, v in _storage_total(tracker.get_tracker_snapshot("peak")).items() if k != "Total"},
         collectives={f"{axis}/{kind}": row for (axis, kind), row in counter.totals({MICRO: accumulation}).items()},
         micro_batch_tokens=t.local_batch_size * t.seq_len,
         host_syncs=(sum(getattr(d, "host_syncs", 0) for d in dispatchers) - syncs_before) * accumulation,
@@ -124,6 +81,60 @@ def measure_step(trainer, micro_batches, accumulation: int = 1) -> StepTrace:
         host_kernel_ops=ops.kernel_ops({MICRO: accumulation}),
         host_ops_by_op=dict(ops.by_op({MICRO: accumulation}).most_common()),
     )
+
+
+class _StepHooks:
+    """The trainer's hooks while measure_step runs its step: each micro-batch in the MICRO phase,
+    what is alive when the first one's loss is computed (`seen`), the gradients and the peak when
+    the optimizer steps (`grads`). `remove` puts the trainer's own back."""
+
+    def __init__(self, trainer, counter: CollectiveCounter, ops: HostOpCounter, tracker: PeakTracker):
+        self.trainer, self.counter, self.ops, self.tracker = trainer, counter, ops, tracker
+        self.seen, self.grads = {}, {}
+        self.original_context, self.original_loss = trainer.loss_context, trainer.loss_fn
+        trainer.loss_context, trainer.loss_fn = self.micro_batch_phase, self.loss_fn
+        self.grads_hook = trainer.optimizer.register_step_pre_hook(self.keep_grads)
+
+    def remove(self) -> None:
+        self.grads_hook.remove()
+        self.trainer.loss_context, self.trainer.loss_fn = self.original_context, self.original_loss
+
+    @contextlib.contextmanager
+    def micro_batch_phase(self):
+        self.counter.phase = self.ops.phase = MICRO
+        if self.seen.get("micro_batches"):
+            self.tracker.reset_mod_stats()  # the next micro-batch runs the same modules again
+        self.seen["micro_batches"] = self.seen.get("micro_batches", 0) + 1
+        try:
+            with self.original_context():
+                yield
+        finally:
+            self.counter.phase = self.ops.phase = STEP
+
+    def loss_fn(self, logits_BSV, labels_BS):
+        # After the model's forward: what is alive now is kept for backward (the logits included).
+        if "activations" not in self.seen:
+            parts = _storage_total(self.tracker.get_tracker_snapshot("current"))
+            self.seen["activations"] = parts.get("Activation", 0)
+            self.seen["logits"] = _local_bytes([logits_BSV])
+        return self.original_loss(logits_BSV, labels_BS)
+
+    def keep_grads(self, optimizer, args, kwargs):
+        self.grads["bytes"] = _local_bytes(p.grad for p in self.trainer.pm.inner.parameters())
+        self.grads["peak"] = max(self.tracker._peak_mem.values(), default=0)  # forward + backward's peak
+        self.grads["where"] = self.tracker.peak_where
+
+
+def _accumulated_peak(tracker: PeakTracker, grads: dict, accumulation: int) -> tuple[int, tuple[str, str]]:
+    """The traced step's peak and where it was reached, for a step of `accumulation` micro-batches."""
+    peak_bytes, where = max(tracker._peak_mem.values(), default=0), tracker.peak_where
+    if accumulation > 1 and grads:
+        # Traced once, run `accumulation` times: from the second micro-batch on, the gradients of
+        # the ones before are held through forward and backward.
+        later = grads["peak"] + grads["bytes"]
+        if later > peak_bytes:
+            peak_bytes, where = later, grads["where"]
+    return peak_bytes, where
 
 
 class _LazyChunks(Sequence):

@@ -111,6 +111,12 @@ def _local_bytes(tensors) -> int:
     return total
 
 
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes of the optimizer's state tensors (0-dim ones, such as a step count, left out)."""
+    return _local_bytes(v for s in optimizer.state.values() for v in s.values()
+                        if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
 def _storage_total(snapshot: dict) -> dict:
     parts: dict[str, int] = {}
     for per_device in snapshot.values():

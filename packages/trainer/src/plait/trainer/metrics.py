@@ -331,3 +331,21 @@ def _extras_to_host(extras: list[dict], device: torch.device) -> list[dict]:
             host[i][key] = values if v.dim() > 0 else (int(values[0]) if not v.is_floating_point() else values[0])
             offset += n
     return host
+
+
+def step_profiler(config: Config, rank: int, device: torch.device):
+    every = config.metrics.profile_interval
+    if not every:
+        return contextlib.nullcontext(None)
+    folder = os.path.join(config.job.dump_folder, "profile")
+    os.makedirs(folder, exist_ok=True)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+
+    def on_ready(prof):
+        prof.export_chrome_trace(os.path.join(folder, f"step{prof.step_num}_rank{rank}.json"))
+
+    # Steps wait ... warmup, then one active step: a trace at steps every, 2*every, ...
+    schedule = torch.profiler.schedule(wait=max(0, every - 2), warmup=min(1, every - 1), active=1)
+    return torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=on_ready)

@@ -1,13 +1,19 @@
-"""The valid range of every model argument a run may override (`--model.<field>`), checked before
+"""`--model.*`: the model and flavor from the registry, the [model] overrides typed and checked.
+
+The valid range of every model argument a run may override (`--model.<field>`), checked before
 the arguments are built: a dim of 0 is otherwise a ZeroDivisionError, n_layers 0 trains an
 empty model, and rope_theta <= 0 or norm_eps < 0 is a NaN at step 1 blamed on the learning rate.
 
 Fields are looked up by name, so one table serves every model (a field a model lacks is skipped).
 """
 
+import dataclasses
+import difflib
 import math
+import types
+import typing
 
-from .config import ConfigError
+from .config import Config, ConfigError, coerce
 
 # field -> (smallest valid value, whether the bound itself is allowed); None values are skipped.
 _AT_LEAST = {
@@ -69,3 +75,61 @@ def check_model_args(values: dict, where: str) -> None:
     if values.get("dim") and values.get("n_heads") and "n_kv_heads" in values and (values["dim"] // values["n_heads"]) % 2:
         raise ConfigError(f"model.dim / model.n_heads = {values['dim'] // values['n_heads']} ({where}): the head "
                           "dim must be even for RoPE.")
+
+
+def model_spec(config: Config):
+    from plait.models import get_model_spec, list_models
+
+    try:
+        spec = get_model_spec(config.model.name)
+    except KeyError:
+        raise ConfigError(f"model.name = {config.model.name!r}: known models are {', '.join(list_models())}.") from None
+    except ImportError as e:
+        raise ConfigError(f"model.name = {config.model.name!r} cannot be imported ({e}).") from None
+    if config.model.flavor not in spec.flavors:
+        close = difflib.get_close_matches(config.model.flavor, list(spec.flavors), n=1, cutoff=0.4)
+        hint = f" Did you mean {close[0]}?" if close else ""
+        raise ConfigError(
+            f"model.flavor = {config.model.flavor!r} is not a {config.model.name} flavor "
+            f"({', '.join(spec.flavors)}).{hint}"
+        )
+    return spec
+
+
+def resolve_model_args(config: Config, spec=None):
+    """The flavor's ModelArgs with the [model] overrides applied, each checked and typed."""
+    spec = spec or model_spec(config)
+    base = spec.flavors[config.model.flavor]
+    if not config.model.args:
+        return base
+    hints = typing.get_type_hints(type(base))
+    names = [f.name for f in dataclasses.fields(base)]
+    values = {}
+    for name, value in config.model.args.items():
+        if name not in names:
+            close = difflib.get_close_matches(name, names + ["name", "flavor", "tokenizer_path", "init"], n=1)
+            hint = f" Did you mean model.{close[0]}?" if close else ""
+            raise ConfigError(
+                f"unknown config key 'model.{name}': not a [model] key nor an argument of {config.model.name} "
+                f"{config.model.flavor}.{hint}"
+            )
+        values[name] = _coerce_model_arg(f"model.{name}", hints[name], value)
+    # Ranges first: a dim or n_heads of 0 would otherwise be a ZeroDivisionError in the args.
+    check_model_args({**{f: getattr(base, f) for f in names}, **values}, f"{config.model.name} {config.model.flavor}")
+    try:
+        return dataclasses.replace(base, **values)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"model arguments {values}: {e}.") from None
+
+
+def _coerce_model_arg(key: str, tp, value):
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (types.UnionType, typing.Union) and type(None) in args:
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        tp = next(a for a in args if a is not type(None))
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} = {value!r}: set it as a table in the TOML file, e.g. {key.split('.')[1]} = {{...}}.")
+        return tp(**value)
+    return coerce(key, tp, value)

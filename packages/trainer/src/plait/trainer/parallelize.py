@@ -21,6 +21,7 @@ from . import pipeline
 from .activation_checkpoint import apply_activation_checkpointing
 from .config import Config, ConfigError
 from .fsdp_tp import fsdp_post_forward_first
+from .log import log
 from .validate import RunPlan, cp_config, ep_config, tp_config
 
 
@@ -110,9 +111,9 @@ def _parallelize(config: Config, plan: RunPlan, meshes: Meshes, device: torch.de
     elif device.type == "cpu" and meshes.dims.world_size > 1 and not config.checkpoint.initial_load_path:
         # DTensor's random ops need a device RNG with offsets (CUDA-like); on CPU every rank
         # would draw the same numbers for its own shard.
-        print("plait-train: warning: model.init = sharded on CPU gives every shard the same random "
-              "numbers; use model.init = full, or start from a seed checkpoint "
-              "(--checkpoint.create_seed_checkpoint, then --checkpoint.initial_load_path).", flush=True)  # fmt: skip
+        log.warning("model.init = sharded on CPU gives every shard the same random numbers; use model.init = "
+                    "full, or start from a seed checkpoint (--checkpoint.create_seed_checkpoint, then "
+                    "--checkpoint.initial_load_path).")
     stages = None
     if meshes.dims.pp > 1:
         stages = pipeline.split_stages(config, plan, meshes)

@@ -9,9 +9,8 @@ non-finite state is never published and never makes `keep_last` prune a good one
 
 import contextlib
 import os
-import signal
 import time
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -25,19 +24,19 @@ from plait.models import cpu_bf16
 from . import exit_codes, rank_notes
 from .checkpoint import CheckpointManager
 from .config import Config, ConfigError, to_toml
+from .failures import TrainingDiverged, check_finite, exit_code_of, test_fault
+from .log import EVERY_RANK, log
 from .lr_scheduler import build_lr_scheduler
-from .metrics import MetricsLogger, peak_tflops
+from .metrics import MetricsLogger, peak_tflops, step_profiler
 from .moe_step import MoEStep
 from .optimizer import build_optimizer
 from .parallelize import parallelize
 from .pipeline import merge_micro_batches
-from .run_lock import CHECKPOINT_LOCK_NAME, HELD_BY_LAUNCHER, RunLock, RunLocks
+from .run_data import build_loader, data_exchange
+from .run_lock import take_run_locks
 from .step import IGNORE_INDEX, StepRunner, cross_entropy_loss  # noqa: F401  (cross_entropy_loss: read here)
-from .validate import RunPlan, validate
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss or gradient norm became NaN/inf; the message names the step and what to try."""
+from .stop_signal import StopSignal
+from .validate import validate
 
 
 def _set_determinism(config: Config) -> None:
@@ -47,114 +46,6 @@ def _set_determinism(config: Config) -> None:
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
-
-
-class _StopSignal:
-    """SIGTERM sets a flag; the loop finishes its step, writes its metrics, saves (with checkpoints
-    enabled) and the run ends unfinished (plait-train exits 75 so schedulers requeue it)."""
-
-    def __init__(self):
-        self.requested = False
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum, frame):
-        self.requested = True
-
-    def agreed(self, device: torch.device) -> bool:
-        """Whether any rank was asked to stop (a collective: call on every rank at the same step)."""
-        if not dist.is_initialized():
-            return self.requested
-        flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-    def restore(self):
-        signal.signal(signal.SIGTERM, self._previous)
-
-
-def _take_run_lock(config: Config, rank: int) -> RunLocks | None:
-    """Rank 0 locks the dump folder (unless the plait launcher holds it for the ranks) and the
-    checkpoint folder, and every rank learns the verdict, so all fail with the same line and none
-    waits in a collective."""
-    locks, verdict = None, None
-    if rank == 0:
-        locks = RunLocks()
-        try:
-            if not os.environ.get(HELD_BY_LAUNCHER):
-                locks.take(RunLock(config.job.dump_folder))
-            c = config.checkpoint
-            folder = Path(config.job.dump_folder) / c.folder
-            if (c.enable or c.create_seed_checkpoint) and folder.resolve() != Path(config.job.dump_folder).resolve():
-                locks.take(RunLock(str(folder), CHECKPOINT_LOCK_NAME, "checkpoint.folder", status=False,
-                                   note={"dump_folder": os.path.abspath(config.job.dump_folder)}))
-            verdict = ("ok", locks.warnings)
-        except ConfigError as e:
-            locks.release(exit_codes.CONFIG)
-            verdict = ("error", str(e))
-    if dist.is_initialized():
-        box = [verdict]
-        dist.broadcast_object_list(box, src=0)
-        verdict = box[0]
-    kind, value = verdict
-    if kind == "error":
-        raise ConfigError(value)
-    for warning in value if rank == 0 else []:
-        print(f"plait-train: warning: {warning}", flush=True)
-    return locks
-
-
-def _data_exchange():
-    """The ranks that tokenise the data between them: every rank of the job, over a gloo group of
-    the data's own (tokens are host data; a prefetch thread must not interleave with training's
-    collectives). Collective: every rank calls it at the same point."""
-    from plait.data.exchange import DistributedExchange, SoloExchange
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return SoloExchange()
-    return DistributedExchange(dist.new_group(backend="gloo"))
-
-
-def _build_loader(config: Config, plan: RunPlan, meshes, dataset: str, split: str, accumulation: int, exchange):
-    from plait.data import build_dataloader
-
-    t = config.training
-    try:
-        return build_dataloader(
-            dataset=dataset,
-            dataset_path=(config.data.dataset_path or None) if dataset == config.data.dataset else None,
-            tokenizer=plan.tokenizer,
-            seq_len=t.seq_len,
-            local_batch_size=t.local_batch_size,
-            gradient_accumulation_steps=accumulation,
-            dp_rank=meshes.dp_rank,
-            dp_degree=meshes.dp_degree,
-            seed=config.job.seed,
-            split=split,
-            streaming=config.data.streaming,
-            text_field=config.data.text_field,
-            exchange=exchange,
-        )
-    except (FileNotFoundError, ValueError, KeyError) as e:
-        # Every rank fails the same way here, so no rank is left waiting in a collective.
-        raise ConfigError(f"data.dataset = {dataset!r} ({split}): {e}") from None
-
-
-def _profiler(config: Config, rank: int, device: torch.device):
-    every = config.metrics.profile_interval
-    if not every:
-        return contextlib.nullcontext(None)
-    folder = os.path.join(config.job.dump_folder, "profile")
-    os.makedirs(folder, exist_ok=True)
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-
-    def on_ready(prof):
-        prof.export_chrome_trace(os.path.join(folder, f"step{prof.step_num}_rank{rank}.json"))
-
-    # Steps wait ... warmup, then one active step: a trace at steps every, 2*every, ...
-    schedule = torch.profiler.schedule(wait=max(0, every - 2), warmup=min(1, every - 1), active=1)
-    return torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=on_ready)
 
 
 class Trainer:
@@ -170,7 +61,7 @@ class Trainer:
         self.dist = init_distributed(timeout_s=config.job.collective_timeout_s)
         self.device = self.dist.device
         self.rank = self.dist.rank
-        self.lock = _take_run_lock(config, self.rank)
+        self.lock = take_run_locks(config, self.rank)
         try:
             self._build(config)
         except BaseException as e:
@@ -190,9 +81,9 @@ class Trainer:
         self.model = self.pm.model
         self.optimizer = build_optimizer(self.pm.inner, config.optimizer, self.device)
         self.scheduler = build_lr_scheduler(self.optimizer, config.training.steps, config.lr_scheduler)
-        self.loader = _build_loader(
+        self.loader = build_loader(
             config, self.plan, self.meshes, config.data.dataset, "train", config.training.gradient_accumulation_steps,
-            _data_exchange(),
+            data_exchange(),
         )
         if config.data.prefetch:
             self.loader = PrefetchingLoader(self.loader, config.data.prefetch)
@@ -240,11 +131,11 @@ class Trainer:
     def _validation_loss(self) -> float:
         c = self.config
         if self._validation_exchange is None:
-            self._validation_exchange = _data_exchange()
+            self._validation_exchange = data_exchange()
         # Under pipeline parallel a validation batch is as large as a training step's local batch
         # (the schedule's micro-batch count is fixed): the accumulation's batches, merged.
         accumulation = c.training.gradient_accumulation_steps if self.pipeline is not None else 1
-        loader = _build_loader(c, self.plan, self.meshes, c.data.val_dataset, "validation", accumulation,
+        loader = build_loader(c, self.plan, self.meshes, c.data.val_dataset, "validation", accumulation,
                                self._validation_exchange)
         # [loss sum, valid tokens] over every batch and every dp x cp rank: the token-weighted mean.
         totals = torch.zeros(2, device=self.device)
@@ -304,118 +195,30 @@ class Trainer:
             wandb_config=c if c.metrics.wandb else None,
         )
 
-    def _check_finite(self, rows: list[dict]) -> None:
-        for row in rows:
-            for key in ("loss", "grad_norm"):
-                value = row[key]
-                if value != value or value in (float("inf"), float("-inf")):
-                    raise TrainingDiverged(
-                        f"{key} is {value} at step {row['step']}: the run diverged. Try a lower optimizer.lr, "
-                        "more lr_scheduler.warmup_steps, a smaller training.max_norm, or training.dtype = float32."
-                    )
-
     def _check_finite_before_save(self, metrics: MetricsLogger) -> None:
         """Raise TrainingDiverged if any step since the last flush was non-finite on any rank."""
         if not metrics.window_finite():
-            self._check_finite(metrics.flush())  # the rows name the first bad step
+            check_finite(metrics.flush())  # the rows name the first bad step
 
     def train(self) -> bool:
         """Train to training.steps; return whether the run finished (False: stopped by SIGTERM)."""
         c = self.config
-        if self.rank == 0:
-            n_params = sum(p.numel() for p in self.plan.model.parameters())
-            overrides = f" with {', '.join(f'{k}={v}' for k, v in c.model.args.items())}" if c.model.args else ""
-            data = " ".join(x for x in (c.data.dataset or "auto", c.data.dataset_path) if x)
-            print(
-                f"plait-train: {c.model.name} {c.model.flavor}{overrides} ({n_params / 1e6:.1f}M params) on "
-                f"{self.plan.dims.world_size} x {self.device.type}, {self.plan.dims}, dp mode {self.pm.dp_mode}, "
-                f"dtype {c.training.dtype}, {torch.get_num_threads()} threads/rank, global batch "
-                f"{c.training.local_batch_size * c.training.gradient_accumulation_steps * self.plan.dims.dp} x "
-                f"{c.training.seq_len} tokens of {data}",
-                flush=True,
-            )
-            # The user's own words, if any (the shipped configs set none: a fixed text there was
-            # wrong as soon as --model.name or --data.dataset changed the run).
-            if c.job.description:
-                print(f"plait-train: {c.job.description}", flush=True)
-            os.makedirs(c.job.dump_folder, exist_ok=True)
-            with open(os.path.join(c.job.dump_folder, "config.toml"), "w") as f:
-                f.write(to_toml(c))
+        self._announce()
         if c.checkpoint.create_seed_checkpoint:
             path = self.checkpointer.save_seed()
-            if self.rank == 0:
-                print(f"plait-train: seed checkpoint {path} written; start runs from it.", flush=True)
+            log.info(f"seed checkpoint {path} written; start runs from it.")
             return True
-        metrics = self._metrics()
-        stop = _StopSignal()
+        loop = _Loop(metrics=self._metrics(), stop=StopSignal(), start_step=self.step)
         if isinstance(self.loader, PrefetchingLoader):
-            self.loader.should_stop = lambda: stop.requested
-        data_iter = iter(self.loader)
-        start, start_step = time.perf_counter(), self.step
-        first_loss = last_loss = None
+            self.loader.should_stop = lambda: loop.stop.requested
         finished = self.step >= c.training.steps
-        stop_now = data_stalled = False
         try:
-            with _profiler(c, self.rank, self.device) as prof:
-                while self.step < c.training.steps:
-                    self.step += 1
-                    t0 = time.perf_counter()
-                    try:
-                        micro_batches = next(data_iter)
-                    except StopIteration:
-                        raise ConfigError(
-                            f"data.dataset = {c.data.dataset!r} ran out of batches at step {self.step}."
-                        ) from None
-                    except DataError as e:  # a bad row: every rank raises the same (see data/stream.py)
-                        raise ConfigError(f"data.dataset = {c.data.dataset!r} at step {self.step}: {e}") from None
-                    except DataWaitStopped:
-                        # SIGTERM while this rank's batch never came (a stalled source or exchange):
-                        # stop unfinished without a save (its collectives could wait on the stall too).
-                        self.step -= 1
-                        stop_now = data_stalled = True
-                        print(f"plait-train: rank {self.rank}: SIGTERM while waiting for data, stopped after "
-                              f"step {self.step} (not saved now).", flush=True)
-                        break
-                    if self.pipeline is not None:
-                        micro_batches = merge_micro_batches(micro_batches)
-                    _test_fault(self.step)
-                    self._read_documents(micro_batches)
-                    data_s = time.perf_counter() - t0
-                    lr = self.scheduler.get_last_lr()[0]
-                    with self.step_sentinel or contextlib.nullcontext():
-                        loss, norm = self.train_step(micro_batches)
-                    extra = self.moe.step_metrics() if self.moe else None
-                    if self.step_sentinel is not None:
-                        syncs, violations = self.step_sentinel.step_counts()[-1]
-                        extra = {**(extra or {}), "host_syncs": syncs, "precondition_violations": violations}
-                    metrics.record(self.step, loss, norm, lr, data_s, extra)
-                    if prof is not None:
-                        prof.step()
-                    last = self.step == c.training.steps
-                    log_now = self.step % c.metrics.log_freq == 0 or last
-                    # Agreeing on a stop is a collective with a host sync: every step on CPU (cheap),
-                    # only at log steps on GPU.
-                    stop_now = not last and (log_now or self.device.type == "cpu") and stop.agreed(self.device)
-                    if log_now or stop_now:
-                        rows = metrics.flush()
-                        first_loss = rows[0]["loss"] if first_loss is None else first_loss
-                        last_loss = rows[-1]["loss"]
-                        self._check_finite(rows)
-                    elif self.checkpointer.due(self.step, last=last, stopping=stop_now):
-                        self._check_finite_before_save(metrics)
-                    self.checkpointer.after_step(self.step, last=last, stopping=stop_now)
-                    if stop_now:
-                        if self.rank == 0:
-                            print(f"plait-train: SIGTERM, stopped after step {self.step}.", flush=True)
-                        break
-                    if c.data.val_interval and (self.step % c.data.val_interval == 0 or last):
-                        t_val = time.perf_counter()
-                        metrics.log_scalars(self.step, {"val_loss": self.validate_loss()})
-                        metrics.exclude(time.perf_counter() - t_val)  # not training throughput
-                finished = self.step >= c.training.steps and not stop_now
+            with step_profiler(c, self.rank, self.device) as prof:
+                self._loop(loop, iter(self.loader), prof)
+                finished = self.step >= c.training.steps and not loop.stop_now
             self.checkpointer.close()
             # The prefetch thread ends after its last exchange (a stalled one never does: left, a daemon).
-            if hasattr(self.loader, "close") and not data_stalled:
+            if hasattr(self.loader, "close") and not loop.data_stalled:
                 self.loader.close()
         except TrainingDiverged as e:
             # Every rank is here at the same step (the verdict came from all-reduced values): a save
@@ -426,75 +229,140 @@ class Trainer:
             if not dist.is_initialized():
                 # After an error, write what was recorded (alone: other ranks may not reach a collective).
                 with contextlib.suppress(Exception):
-                    metrics.flush()
-            metrics.close()
-            stop.restore()
-        dropped = self.moe.dropped_total() if self.moe is not None else None
-        if self.rank == 0 and dropped is not None:
-            print(f"plait-train: expert capacity dropped {dropped} (token, expert) pairs on rank 0.", flush=True)
-        if self.rank == 0 and first_loss is None and not data_stalled:
-            print(f"plait-train: already at step {self.step} of {c.training.steps}; nothing to train.", flush=True)
-        elif self.rank == 0:
-            print(
-                f"plait-train: {self.step - start_step} steps in {time.perf_counter() - start:.1f} s"
-                f"{f' (steps {start_step + 1}-{self.step})' if start_step else ''}, loss {first_loss:.4f} -> "
-                f"{last_loss:.4f}; metrics in {os.path.join(c.job.dump_folder, 'metrics.jsonl')}",
-                flush=True,
-            )
-            if not c.checkpoint.enable:
-                print("plait-train: no checkpoint was saved (checkpoint.enable = false): this run cannot be resumed "
-                      "or exported; pass --checkpoint.enable true (and --checkpoint.interval N) to save, and run "
-                      "the same command again to resume.", flush=True)
+                    loop.metrics.flush()
+            loop.metrics.close()
+            loop.stop.restore()
+        self._report(loop)
         return finished
 
+    def _announce(self) -> None:
+        """Rank 0: what runs, on what, and its effective configuration (config.toml)."""
+        if self.rank != 0:
+            return
+        c = self.config
+        n_params = sum(p.numel() for p in self.plan.model.parameters())
+        overrides = f" with {', '.join(f'{k}={v}' for k, v in c.model.args.items())}" if c.model.args else ""
+        data = " ".join(x for x in (c.data.dataset or "auto", c.data.dataset_path) if x)
+        log.info(
+            f"{c.model.name} {c.model.flavor}{overrides} ({n_params / 1e6:.1f}M params) on "
+            f"{self.plan.dims.world_size} x {self.device.type}, {self.plan.dims}, dp mode {self.pm.dp_mode}, "
+            f"dtype {c.training.dtype}, {torch.get_num_threads()} threads/rank, global batch "
+            f"{c.training.local_batch_size * c.training.gradient_accumulation_steps * self.plan.dims.dp} x "
+            f"{c.training.seq_len} tokens of {data}"
+        )
+        # The user's own words, if any (the shipped configs set none: a fixed text there was
+        # wrong as soon as --model.name or --data.dataset changed the run).
+        if c.job.description:
+            log.info(c.job.description)
+        os.makedirs(c.job.dump_folder, exist_ok=True)
+        with open(os.path.join(c.job.dump_folder, "config.toml"), "w") as f:
+            f.write(to_toml(c))
 
-def exit_code_of(error: BaseException) -> int:
-    """The code plait-train exits with for an exception that ends the run (exit_codes.py)."""
-    if isinstance(error, TrainingDiverged):
-        return exit_codes.DIVERGED
-    if isinstance(error, KeyboardInterrupt):
-        return exit_codes.INTERRUPTED
-    if out_of_memory(error):
-        return exit_codes.OUT_OF_MEMORY
-    if infrastructure_fault(error):
-        return exit_codes.INFRA
-    if isinstance(error, ConfigError) or type(error).__name__ == "CheckpointException":
-        return exit_codes.CONFIG
-    return exit_codes.ERROR
+    def _loop(self, loop: "_Loop", data_iter, prof) -> None:
+        c = self.config
+        while self.step < c.training.steps:
+            self.step += 1
+            t0 = time.perf_counter()
+            micro_batches = self._next_batch(data_iter, loop)
+            if micro_batches is None:
+                break
+            data_s = time.perf_counter() - t0
+            lr = self.scheduler.get_last_lr()[0]
+            with self.step_sentinel or contextlib.nullcontext():
+                loss, norm = self.train_step(micro_batches)
+            extra = self.moe.step_metrics() if self.moe else None
+            if self.step_sentinel is not None:
+                syncs, violations = self.step_sentinel.step_counts()[-1]
+                extra = {**(extra or {}), "host_syncs": syncs, "precondition_violations": violations}
+            loop.metrics.record(self.step, loss, norm, lr, data_s, extra)
+            if prof is not None:
+                prof.step()
+            if self._after_step(loop):
+                break
 
+    def _next_batch(self, data_iter, loop: "_Loop"):
+        """This step's micro-batches, or None when a SIGTERM came while this rank waited for them."""
+        c = self.config
+        try:
+            micro_batches = next(data_iter)
+        except StopIteration:
+            raise ConfigError(f"data.dataset = {c.data.dataset!r} ran out of batches at step {self.step}.") from None
+        except DataError as e:  # a bad row: every rank raises the same (see data/stream.py)
+            raise ConfigError(f"data.dataset = {c.data.dataset!r} at step {self.step}: {e}") from None
+        except DataWaitStopped:
+            # SIGTERM while this rank's batch never came (a stalled source or exchange):
+            # stop unfinished without a save (its collectives could wait on the stall too).
+            self.step -= 1
+            loop.stop_now = loop.data_stalled = True
+            log.info(f"SIGTERM while waiting for data, stopped after step {self.step} (not saved now).",
+                     extra=EVERY_RANK)
+            return None
+        if self.pipeline is not None:
+            micro_batches = merge_micro_batches(micro_batches)
+        test_fault(self.step)
+        self._read_documents(micro_batches)
+        return micro_batches
 
-# What a collective raises on the ranks that survive a rank that died (gloo / NCCL), by message.
-_LOST_PEER = ("connection closed by peer", "connection reset by peer", "broken pipe", "socket timeout",
-              "nccl error", "ncclremoteerror", "timed out", "process group has been destroyed")
-
-
-# What torch raises when memory runs out where it is not an OutOfMemoryError (the CPU allocator).
-_OUT_OF_MEMORY = ("defaultcpuallocator: can't allocate memory", "out of memory", "cannot allocate memory")
-
-
-def out_of_memory(error: BaseException) -> bool:
-    """Device or host memory ran out: the same config runs out again (not requeued)."""
-    if isinstance(error, (MemoryError, torch.OutOfMemoryError)):
-        return True
-    return isinstance(error, RuntimeError) and any(m in str(error).lower() for m in _OUT_OF_MEMORY)
-
-
-def infrastructure_fault(error: BaseException) -> bool:
-    """A fault of the machine rather than of the run: I/O, a lost rank, a collective timeout
-    (requeue-able). Not out of memory (out_of_memory), not a collective mismatch (a bug)."""
-    if out_of_memory(error):
+    def _after_step(self, loop: "_Loop") -> bool:
+        """Log, agree on a stop, check finiteness, save, validate; whether the loop stops here."""
+        c = self.config
+        last = self.step == c.training.steps
+        log_now = self.step % c.metrics.log_freq == 0 or last
+        # Agreeing on a stop is a collective with a host sync: every step on CPU (cheap),
+        # only at log steps on GPU.
+        loop.stop_now = not last and (log_now or self.device.type == "cpu") and loop.stop.agreed(self.device)
+        if log_now or loop.stop_now:
+            rows = loop.metrics.flush()
+            loop.first_loss = rows[0]["loss"] if loop.first_loss is None else loop.first_loss
+            loop.last_loss = rows[-1]["loss"]
+            check_finite(rows)
+        elif self.checkpointer.due(self.step, last=last, stopping=loop.stop_now):
+            self._check_finite_before_save(loop.metrics)
+        self.checkpointer.after_step(self.step, last=last, stopping=loop.stop_now)
+        if loop.stop_now:
+            log.info(f"SIGTERM, stopped after step {self.step}.")
+            return True
+        if c.data.val_interval and (self.step % c.data.val_interval == 0 or last):
+            t_val = time.perf_counter()
+            loop.metrics.log_scalars(self.step, {"val_loss": self.validate_loss()})
+            loop.metrics.exclude(time.perf_counter() - t_val)  # not training throughput
         return False
-    if isinstance(error, exit_codes.InfrastructureFault):
-        return True
-    if isinstance(error, OSError) and not isinstance(error, (FileNotFoundError, NotADirectoryError,
-                                                             IsADirectoryError, PermissionError)):
-        return True  # ENOSPC, EIO, EROFS, ...; a missing or forbidden path is a configuration error
-    if isinstance(error, (dist.DistError, RuntimeError)):
-        text = str(error).lower()
-        if "mismatch" in text:  # ranks disagree on a collective: a bug or a config, not the machine
-            return False
-        return isinstance(error, dist.DistError) or any(m in text for m in _LOST_PEER)
-    return False
+
+    def _report(self, loop: "_Loop") -> None:
+        """Rank 0: what the run did, in one or two lines."""
+        c = self.config
+        dropped = self.moe.dropped_total() if self.moe is not None else None
+        if dropped is not None:
+            log.info(f"expert capacity dropped {dropped} (token, expert) pairs on rank 0.")
+        if loop.first_loss is None and not loop.data_stalled:
+            log.info(f"already at step {self.step} of {c.training.steps}; nothing to train.")
+            return
+        if loop.first_loss is None:
+            return
+        start_step = loop.start_step
+        log.info(
+            f"{self.step - start_step} steps in {time.perf_counter() - loop.started:.1f} s"
+            f"{f' (steps {start_step + 1}-{self.step})' if start_step else ''}, loss {loop.first_loss:.4f} -> "
+            f"{loop.last_loss:.4f}; metrics in {os.path.join(c.job.dump_folder, 'metrics.jsonl')}"
+        )
+        if not c.checkpoint.enable:
+            log.info("no checkpoint was saved (checkpoint.enable = false): this run cannot be resumed or exported; "
+                     "pass --checkpoint.enable true (and --checkpoint.interval N) to save, and run the same "
+                     "command again to resume.")
+
+
+@dataclass
+class _Loop:
+    """The training loop's state between steps."""
+
+    metrics: MetricsLogger
+    stop: StopSignal
+    start_step: int
+    started: float = field(default_factory=time.perf_counter)
+    first_loss: float | None = None
+    last_loss: float | None = None
+    stop_now: bool = False
+    data_stalled: bool = False
 
 
 def run(config: Config) -> bool:
@@ -526,19 +394,3 @@ def run(config: Config) -> bool:
         destroy_distributed()
 
 
-# PLAIT_TEST_FAULT="<step>:<kind>": raise at that step what the fault raises (tests of the exit
-# codes with real processes): oom (torch's CPU allocator), lost_peer (a collective after a peer died).
-TEST_FAULT = "PLAIT_TEST_FAULT"
-_TEST_FAULTS = {
-    "oom": lambda: RuntimeError("[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't allocate memory: "
-                                "you tried to allocate 393215999999 bytes."),
-    "lost_peer": lambda: RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer"),
-}
-
-
-def _test_fault(step: int) -> None:
-    spec = os.environ.get(TEST_FAULT)
-    if spec:
-        at, kind = spec.split(":")
-        if int(at) == step:
-            raise _TEST_FAULTS[kind]()

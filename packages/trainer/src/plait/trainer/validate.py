@@ -4,13 +4,9 @@ A bad setting then stops every rank at once with a message naming the setting, i
 rank raising while the others hang in a collective.
 """
 
-import dataclasses
-import difflib
 import importlib
 import importlib.util
 import os
-import types
-import typing
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,22 +14,12 @@ import torch
 from torch import nn
 
 from plait.mesh import ParallelConfigError, ParallelDims
-from plait.models import model_args_dict  # noqa: F401  (--print-config reads it from here)
 
-from .config import Config, ConfigError, coerce
-from .model_ranges import check_model_args
+from .config import Config, ConfigError
+from .data_checks import build_checked_tokenizer, check_data
+from .model_args import model_spec, resolve_model_args
+from .parallel_settings import cp_config, ep_config, optional_parallel_module, pipeline_microbatches, tp_config
 from .wandb_logger import check_wandb
-
-# Parallelisms that live in optional packages: degree field -> (import name, pip name, entry point).
-OPTIONAL_PARALLEL = {
-    "tp": ("plait.tensorparallel", "plait-tensorparallel", "apply_tensor_parallel"),
-    "cp": ("plait.contextparallel", "plait-contextparallel", "apply_context_parallel"),
-    "ep": ("plait.expertparallel", "plait-expertparallel", "apply_expert_parallel"),
-    "pp": ("plait.pipelineparallel", "plait-pipelineparallel", "build_pipeline"),
-}
-
-# Batches prepared ahead are held in host memory: more than this only costs memory.
-MAX_PREFETCH = 16
 
 # The full model is materialised on every rank before sharding (init = auto) below this size.
 FULL_INIT_MAX_BYTES = 8 * 2**30
@@ -50,31 +36,6 @@ class RunPlan:
     tokenizer: Any
     full_init: bool
     parallel_modules: dict  # "tp"/"cp"/"ep"/"pp" -> imported module, for the degrees > 1
-
-
-def optional_parallel_module(axis: str, degree: int):
-    """Import the package that implements `axis`, or a ConfigError naming what to install."""
-    module_name, pip_name, entry = OPTIONAL_PARALLEL[axis]
-    try:
-        found = importlib.util.find_spec(module_name) is not None
-    except ModuleNotFoundError:
-        found = False
-    if not found:
-        raise ConfigError(f"parallelism.{axis} = {degree} needs {pip_name}: pip install {pip_name}.")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # a broken install must not crash with a traceback here
-        raise ConfigError(
-            f"parallelism.{axis} = {degree}: importing {module_name} failed ({e}); reinstall {pip_name}."
-        ) from None
-    if not hasattr(module, entry):
-        version = getattr(module, "__version__", "?")
-        raise ConfigError(
-            f"parallelism.{axis} = {degree} needs {entry} from {pip_name}, which the installed version ({version}) "
-            f"lacks: install {pip_name} with it (pip install -U {pip_name}), or set "
-            f"parallelism.{axis} = 1."
-        )
-    return module
 
 
 def _check_positive(config: Config) -> None:
@@ -169,27 +130,6 @@ def _check_data_parallel(config: Config, dims: ParallelDims) -> None:
         )
 
 
-def _check_data(config: Config, read_sources: bool = True) -> None:
-    from plait.data.sources import check_readable, resolve_source
-
-    d = config.data
-    if not 0 <= d.prefetch <= MAX_PREFETCH:
-        raise ConfigError(f"data.prefetch = {d.prefetch}: must be in [0, {MAX_PREFETCH}] (batches prepared ahead, "
-                          "each held in memory; 0 prepares batches in the step).")
-    if not read_sources:
-        return
-    sources = [(d.dataset, d.dataset_path or None, "train")]
-    if d.val_interval:
-        sources.append((d.val_dataset, (d.dataset_path or None) if d.val_dataset == d.dataset else None, "validation"))
-    for dataset, path, split in sources:
-        try:
-            resolve_source(dataset, path, split)
-            check_readable(dataset, path, split, d.text_field)
-        except (FileNotFoundError, ValueError) as e:
-            key = "data.dataset" if split == "train" else "data.val_dataset"
-            raise ConfigError(f"{key} = {dataset!r}: {e}") from None
-
-
 def _check_checkpoint(config: Config, world_size: int) -> None:
     c = config.checkpoint
     if c.load_step < -1:
@@ -211,38 +151,6 @@ def _check_checkpoint(config: Config, world_size: int) -> None:
         raise ConfigError("checkpoint.initial_load_hf = true needs checkpoint.initial_load_path (a Hugging Face folder).")
     if c.initial_load_path and not os.path.isdir(c.initial_load_path):
         raise ConfigError(f"checkpoint.initial_load_path = {c.initial_load_path!r}: no such folder.")
-
-
-def _check_token_folder(config: Config, tokenizer):
-    """A pre-tokenised folder was written with this run's tokenizer (its meta.json says); its
-    documents (None for other sources)."""
-    from plait.data.sources import TOKENS
-
-    if config.data.dataset != TOKENS:
-        return None
-    from plait.data.token_files import TokenFileDocuments
-
-    try:
-        documents = TokenFileDocuments(config.data.dataset_path, tokenizer, config.job.seed, shuffle=False)
-    except (FileNotFoundError, ValueError) as e:
-        raise ConfigError(f"data.dataset = 'tokens': {e}") from None
-    return documents
-
-
-def _check_document_positions(config: Config, model_args, token_documents) -> None:
-    """Per-document RoPE positions index the RoPE tables by a token's offset in its document: a
-    document longer than max_seq_len has no table row. A pre-tokenised folder knows every length, so
-    it is refused here; other sources are checked batch by batch (the trainer's _read_documents)."""
-    if getattr(model_args, "rope_positions", "sequence") != "document" or token_documents is None:
-        return
-    offsets = token_documents.offsets
-    longest = int((offsets[1:] - offsets[:-1]).max()) if len(offsets) > 1 else 0
-    if longest > model_args.max_seq_len:
-        raise ConfigError(
-            f"model.rope_positions = 'document': {config.data.dataset_path} holds a document of {longest} tokens, "
-            f"past model.max_seq_len = {model_args.max_seq_len} (the RoPE tables): raise model.max_seq_len to "
-            f"{longest} or set model.rope_positions = 'sequence'."
-        )
 
 
 def _check_hf_weights(config: Config, model_args) -> None:
@@ -307,64 +215,6 @@ def _check_folders(config: Config) -> None:
             raise ConfigError(f"{key} = {path!r} {problem}: set {key} to a folder this user can write.")
 
 
-def _model_spec(config: Config):
-    from plait.models import get_model_spec, list_models
-
-    try:
-        spec = get_model_spec(config.model.name)
-    except KeyError:
-        raise ConfigError(f"model.name = {config.model.name!r}: known models are {', '.join(list_models())}.") from None
-    except ImportError as e:
-        raise ConfigError(f"model.name = {config.model.name!r} cannot be imported ({e}).") from None
-    if config.model.flavor not in spec.flavors:
-        close = difflib.get_close_matches(config.model.flavor, list(spec.flavors), n=1, cutoff=0.4)
-        hint = f" Did you mean {close[0]}?" if close else ""
-        raise ConfigError(
-            f"model.flavor = {config.model.flavor!r} is not a {config.model.name} flavor "
-            f"({', '.join(spec.flavors)}).{hint}"
-        )
-    return spec
-
-
-def resolve_model_args(config: Config, spec=None):
-    """The flavor's ModelArgs with the [model] overrides applied, each checked and typed."""
-    spec = spec or _model_spec(config)
-    base = spec.flavors[config.model.flavor]
-    if not config.model.args:
-        return base
-    hints = typing.get_type_hints(type(base))
-    names = [f.name for f in dataclasses.fields(base)]
-    values = {}
-    for name, value in config.model.args.items():
-        if name not in names:
-            close = difflib.get_close_matches(name, names + ["name", "flavor", "tokenizer_path", "init"], n=1)
-            hint = f" Did you mean model.{close[0]}?" if close else ""
-            raise ConfigError(
-                f"unknown config key 'model.{name}': not a [model] key nor an argument of {config.model.name} "
-                f"{config.model.flavor}.{hint}"
-            )
-        values[name] = _coerce_model_arg(f"model.{name}", hints[name], value)
-    # Ranges first: a dim or n_heads of 0 would otherwise be a ZeroDivisionError in the args.
-    check_model_args({**{f: getattr(base, f) for f in names}, **values}, f"{config.model.name} {config.model.flavor}")
-    try:
-        return dataclasses.replace(base, **values)
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"model arguments {values}: {e}.") from None
-
-
-def _coerce_model_arg(key: str, tp, value):
-    args = typing.get_args(tp)
-    if typing.get_origin(tp) in (types.UnionType, typing.Union) and type(None) in args:
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
-            return None
-        tp = next(a for a in args if a is not type(None))
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key} = {value!r}: set it as a table in the TOML file, e.g. {key.split('.')[1]} = {{...}}.")
-        return tp(**value)
-    return coerce(key, tp, value)
-
-
 def _parallel_dims(config: Config, world_size: int) -> ParallelDims:
     p = config.parallelism
     try:
@@ -393,19 +243,39 @@ def validate(config: Config, world_size: int | None = None, check_memory: bool =
     world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
     _check_positive(config)
     dims = _parallel_dims(config, world_size)
-
     # Optional parallel packages, before anything is built with them.
-    parallel_modules = {}
-    for axis in ("tp", "cp", "ep", "pp"):
-        degree = getattr(dims, axis)
-        if degree > 1:
-            parallel_modules[axis] = optional_parallel_module(axis, degree)
-
+    parallel_modules = {
+        axis: optional_parallel_module(axis, getattr(dims, axis))
+        for axis in ("tp", "cp", "ep", "pp") if getattr(dims, axis) > 1
+    }
     _check_checkpoint(config, world_size)
     _check_folders(config)
     check_wandb(config)  # metrics.wandb needs wandb importable
-    spec = _model_spec(config)
+    spec = model_spec(config)
     model_args = resolve_model_args(config, spec)
+    _check_seq_len(config, model_args)
+    _check_data_parallel(config, dims)
+    check_data(config, read_sources=need_data)
+    _check_hf_weights(config, model_args)
+    _check_hf_export(config, spec, model_args)
+    tokenizer = build_checked_tokenizer(config, model_args) if need_data else None
+
+    with torch.device("meta"):
+        model = spec.model_cls(model_args)
+    info = model.parallel_info()
+    _check_parallel_fit(config, dims, parallel_modules, model, model_args, info)
+    n_bytes = sum(p.numel() for p in model.parameters()) * 4
+    full_init = config.model.init == "full" or (config.model.init == "auto" and n_bytes <= FULL_INIT_MAX_BYTES)
+    if config.training.compile and not _has_compiler():
+        raise ConfigError("training.compile = true needs a C++ compiler on CPU (or triton on GPU); none was found.")
+    if config.training.compile_mode != "default":
+        _validate_cuda_graphs(config, dims)
+    if check_memory:
+        _check_memory(config, dims, model, info, world_size)
+    return RunPlan(dims, model_args, model, info, tokenizer, full_init, parallel_modules)
+
+
+def _check_seq_len(config: Config, model_args) -> None:
     seq_len, max_seq_len = config.training.seq_len, model_args.max_seq_len
     if seq_len > max_seq_len:
         raise ConfigError(
@@ -413,30 +283,11 @@ def validate(config: Config, world_size: int | None = None, check_memory: bool =
             f"{max_seq_len} (seq_len not matching the model): lower training.seq_len, or raise model.max_seq_len "
             f"(--model.max_seq_len {seq_len}; RoPE tables cover it)."
         )
-    _check_data_parallel(config, dims)
-    _check_data(config, read_sources=need_data)
-    _check_hf_weights(config, model_args)
-    _check_hf_export(config, spec, model_args)
 
-    from plait.data import build_tokenizer
 
-    try:
-        tokenizer = build_tokenizer(config.model.tokenizer_path or None) if need_data else None
-    except FileNotFoundError:
-        raise ConfigError(f"model.tokenizer_path: tokenizer file not found: {config.model.tokenizer_path}") from None
-    except (ValueError, OSError) as e:
-        raise ConfigError(f"model.tokenizer_path = {config.model.tokenizer_path!r}: {e}") from None
-    if tokenizer is not None:
-        _check_document_positions(config, model_args, _check_token_folder(config, tokenizer))
-    if tokenizer is not None and tokenizer.n_words > model_args.vocab_size:
-        raise ConfigError(
-            f"the tokenizer has {tokenizer.n_words} tokens but {config.model.name} {config.model.flavor} has "
-            f"vocab_size = {model_args.vocab_size}: use a tokenizer that fits the model (model.tokenizer_path)."
-        )
-
-    with torch.device("meta"):
-        model = spec.model_cls(model_args)
-    info = model.parallel_info()
+def _check_parallel_fit(config: Config, dims: ParallelDims, parallel_modules: dict, model: nn.Module,
+                        model_args, info: dict) -> None:
+    """Each parallel package's own validation of this model (on meta) at these degrees."""
     if dims.ep > 1 and not info.get("experts"):
         raise ConfigError(
             f"parallelism.ep = {dims.ep} but {config.model.name} {config.model.flavor} has no routed experts: set ep = 1."
@@ -455,17 +306,6 @@ def validate(config: Config, world_size: int | None = None, check_memory: bool =
         _validate_cp(parallel_modules["cp"], model_args, info, dims, config)
     if dims.pp > 1:
         _validate_pp(parallel_modules["pp"], info, dims, config)
-
-    n_bytes = sum(p.numel() for p in model.parameters()) * 4
-    full_init = config.model.init == "full" or (config.model.init == "auto" and n_bytes <= FULL_INIT_MAX_BYTES)
-
-    if config.training.compile and not _has_compiler():
-        raise ConfigError("training.compile = true needs a C++ compiler on CPU (or triton on GPU); none was found.")
-    if config.training.compile_mode != "default":
-        _validate_cuda_graphs(config, dims)
-    if check_memory:
-        _check_memory(config, dims, model, info, world_size)
-    return RunPlan(dims, model_args, model, info, tokenizer, full_init, parallel_modules)
 
 
 def _validate_cuda_graphs(config: Config, dims: ParallelDims) -> None:
@@ -518,14 +358,6 @@ def _validate_cp(cp_module, model_args, info: dict, dims: ParallelDims, config: 
         raise ConfigError(str(e).splitlines()[0]) from None
 
 
-def pipeline_microbatches(config: Config) -> int:
-    """Pipeline micro-batches per step: the accumulation micro-batches run as one local batch."""
-    from plait.pipelineparallel import n_microbatches
-
-    t = config.training
-    return n_microbatches(t.local_batch_size * t.gradient_accumulation_steps, config.parallelism.pipeline_microbatch_size)
-
-
 def _validate_pp(pp_module, info: dict, dims: ParallelDims, config: Config) -> None:
     p = config.parallelism
     if p.replicate_impl == "ddp" and dims.dp_replicate > 1:
@@ -539,38 +371,6 @@ def _validate_pp(pp_module, info: dict, dims: ParallelDims, config: Config) -> N
         )
     except ValueError as e:
         raise ConfigError(str(e).splitlines()[0]) from None
-
-
-def ep_config(ep_module, config: Config):
-    """plait.expertparallel's config from the [parallelism] section."""
-    # Every rank's micro-batch is [local_batch_size, seq_len] (cp shards equal): capacity mode's
-    # blocks are equal by construction, so it needs no row check (and no host sync) before them.
-    return ep_module.ExpertParallelConfig(
-        capacity_factor=config.parallelism.expert_capacity_factor, rows_equal_by_construction=True
-    )
-
-
-def cp_config(cp_module, config: Config, info: dict | None = None):
-    """plait.contextparallel's config from the [parallelism] section; with the model's
-    `parallel_info()`, the CPU kernel route of its half-precision attention (plait.models.cpu_bf16
-    decides for the model's head dim; context parallel takes the answer)."""
-    from plait.models import cpu_bf16
-
-    p = config.parallelism
-    head_dim = (info or {}).get("attention_heads", {}).get("head_dim")
-    in_fp32 = cpu_bf16.cpu_attends_in_fp32(head_dim) if head_dim is not None else False
-    return cp_module.ContextParallelConfig(
-        method=p.cp_method, load_balance=p.cp_load_balance, load_balance_rounds=p.cp_load_balance_rounds,
-        cpu_half_in_fp32=in_fp32,
-    )
-
-
-def tp_config(tp_module, config: Config):
-    """plait.tensorparallel's config from the [parallelism] section."""
-    p = config.parallelism
-    return tp_module.TensorParallelConfig(
-        sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel, async_tp=p.async_tp
-    )
 
 
 def _has_compiler() -> bool:

@@ -8,9 +8,9 @@ WANDB_ENTITY, WANDB_NAME, WANDB_MODE, WANDB_DIR, WANDB_RUN_ID / WANDB_RESUME).
 
 import dataclasses
 import os
-import sys
 
 from .config import Config, ConfigError
+from .log import log
 
 
 def check_wandb(config: Config) -> None:
@@ -64,5 +64,4 @@ class WandbRun:
         try:
             self.run.finish(exit_code=1 if failed else 0)
         except Exception as e:
-            print(f"plait-train: wandb: finishing the run failed ({e}); metrics.jsonl holds every row.",
-                  file=sys.stderr, flush=True)
+            log.warning(f"wandb: finishing the run failed ({e}); metrics.jsonl holds every row.")

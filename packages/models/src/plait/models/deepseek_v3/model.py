@@ -216,43 +216,9 @@ class Transformer(nn.Module):
     def parallel_info(self) -> dict:
         """Blocks, tensor-parallel plan, experts and CP metadata as plain data (docs/contracts.md)."""
         blocks = [f"layers.{name}" for name in self.layers]
-        if self.args.q_lora_rank == 0:
-            q_plan = {"layers.*.attention.wq": "colwise"}
-        else:
-            q_plan = {
-                "layers.*.attention.wq_a": "replicate",
-                "layers.*.attention.q_norm": "replicate",
-                "layers.*.attention.wq_b": "colwise",
-            }
         return {
             "blocks": blocks,
-            "tp_plan": {
-                "tok_embeddings": "embedding_rowwise",
-                "norm": "sequence_parallel",
-                "output": "output_colwise",
-                "layers.*.attention_norm": "sequence_parallel",
-                "layers.*.attention": "prepare_input",
-                **q_plan,
-                # The latent path is shared by all heads: replicated. wkv_b expands it per head
-                # (colwise over heads); wo sums heads back (rowwise).
-                "layers.*.attention.wkv_a": "replicate",
-                "layers.*.attention.kv_norm": "replicate",
-                "layers.*.attention.wkv_b": "colwise",
-                "layers.*.attention.wo": "rowwise",
-                "layers.*.ffn_norm": "sequence_parallel",
-                "layers.*.feed_forward": "prepare_input",
-                "layers.*.feed_forward.w1": "colwise",
-                "layers.*.feed_forward.w2": "rowwise",
-                "layers.*.feed_forward.w3": "colwise",
-                "layers.*.moe": "moe_input_output",
-                "layers.*.moe.router.gate": "replicate",
-                "layers.*.moe.shared_experts.w1": "colwise",
-                "layers.*.moe.shared_experts.w2": "rowwise_partial",
-                "layers.*.moe.shared_experts.w3": "colwise",
-                # Routed experts: hidden dim split over tp when there is no expert parallel; with
-                # ep > 1 the expert-parallel package owns them and this entry is skipped.
-                "layers.*.moe.experts": "experts_tp",
-            },
+            "tp_plan": self._tp_plan(),
             "experts": [f"{b}.moe.experts" for b, layer in zip(blocks, self.layers.values()) if layer.is_moe],
             # The module each MoE runs after its experts and before it first uses their output: expert
             # parallel overlaps the combine all-to-all with it, forward and backward.
@@ -275,6 +241,43 @@ class Transformer(nn.Module):
                 "shared_expert_hidden": self.args.moe_inter_dim * self.args.n_shared_experts,
                 "vocab_size": self.args.vocab_size,
             },
+        }
+
+    def _tp_plan(self) -> dict:
+        if self.args.q_lora_rank == 0:
+            q_plan = {"layers.*.attention.wq": "colwise"}
+        else:
+            q_plan = {
+                "layers.*.attention.wq_a": "replicate",
+                "layers.*.attention.q_norm": "replicate",
+                "layers.*.attention.wq_b": "colwise",
+            }
+        return {
+            "tok_embeddings": "embedding_rowwise",
+            "norm": "sequence_parallel",
+            "output": "output_colwise",
+            "layers.*.attention_norm": "sequence_parallel",
+            "layers.*.attention": "prepare_input",
+            **q_plan,
+            # The latent path is shared by all heads: replicated. wkv_b expands it per head
+            # (colwise over heads); wo sums heads back (rowwise).
+            "layers.*.attention.wkv_a": "replicate",
+            "layers.*.attention.kv_norm": "replicate",
+            "layers.*.attention.wkv_b": "colwise",
+            "layers.*.attention.wo": "rowwise",
+            "layers.*.ffn_norm": "sequence_parallel",
+            "layers.*.feed_forward": "prepare_input",
+            "layers.*.feed_forward.w1": "colwise",
+            "layers.*.feed_forward.w2": "rowwise",
+            "layers.*.feed_forward.w3": "colwise",
+            "layers.*.moe": "moe_input_output",
+            "layers.*.moe.router.gate": "replicate",
+            "layers.*.moe.shared_experts.w1": "colwise",
+            "layers.*.moe.shared_experts.w2": "rowwise_partial",
+            "layers.*.moe.shared_experts.w3": "colwise",
+            # Routed experts: hidden dim split over tp when there is no expert parallel; with
+            # ep > 1 the expert-parallel package owns them and this entry is skipped.
+            "layers.*.moe.experts": "experts_tp",
         }
 
     def param_counts(self) -> tuple[int, int]:

@@ -26,7 +26,7 @@ def recorded_args(model: str, flavor: str, meta: dict):
     if not saved:
         return None
     from ..config import build_config
-    from ..validate import resolve_model_args
+    from ..model_args import resolve_model_args
 
     config = build_config({}, [])
     config.model.name, config.model.flavor = model, flavor
