@@ -9,7 +9,8 @@ torchtitan 0.3.0 or 0.2.2 where it is installed), bf16, torch.compile, selective
         [--torchtitan-022-path DIR] [--torchtitan-version auto|0.3.0|0.2.2] [--tt-tokenizer DIR] [--dry-run]
 
 `--modes eager,compile,cudagraphs` runs plait once per mode (cudagraphs: training.compile_mode =
-reduce-overhead, each compiled block replayed as a CUDA graph; docs/cuda_graphs.md), torchtitan
+reduce-overhead, each compiled block replayed as a CUDA graph; docs/cuda_graphs.md; float8tw /
+float8rw: compiled with training.float8 tensorwise / rowwise, MFU still over the bf16 peak), torchtitan
 once, compiled (and, torchtitan 0.3.0's default on CUDA, its forward-backward captured as one CUDA
 graph; 0.2.2 has none). `--attention-mask causal,document` runs each mode with each mask.
 
@@ -96,6 +97,10 @@ MODES = {
     "eager": ["--training.compile", "false"],
     "compile": ["--training.compile", "true"],
     "cudagraphs": ["--training.compile", "true", "--training.compile_mode", "reduce-overhead"],
+    # training.float8 (issue 42), compiled, torchao's filter: against "compile" (bf16) in the same lease.
+    # One GPU has no FSDP, so tensorwise's float8 all-gather needs a 2-GPU lease.
+    "float8tw": ["--training.compile", "true", "--training.float8", "tensorwise"],
+    "float8rw": ["--training.compile", "true", "--training.float8", "rowwise"],
 }
 
 

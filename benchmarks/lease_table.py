@@ -28,8 +28,9 @@ DIMS = {
     "llama3-8B": "Llama 3 8B dims",
     "deepseek-16B": "DeepSeek-V3 16B dims",
 }
-MODE_ORDER = ("eager", "compile", "cudagraphs", "torchtitan")
-MODE_NAMES = {"eager": "plait eager", "compile": "plait compile", "cudagraphs": "plait CUDA graphs"}
+MODE_ORDER = ("eager", "compile", "cudagraphs", "float8tw", "float8rw", "torchtitan")
+MODE_NAMES = {"eager": "plait eager", "compile": "plait compile", "cudagraphs": "plait CUDA graphs",
+              "float8tw": "plait compile, float8 tensorwise", "float8rw": "plait compile, float8 rowwise"}
 TORCHTITAN_VERSION = "0.3.0"  # records before benchmarks/gpu.py wrote `torchtitan_version` ran this one
 
 
@@ -119,6 +120,9 @@ def bench_table(records: list[dict]) -> list[str]:
         if mask == "document" and causal and causal["tokens_per_second"] > 0:
             vs_causal = f"{r['tokens_per_second'] / causal['tokens_per_second']:.2f}x"
         note = f" ({r['note']})" if r.get("note") else ""
+        bf16 = ok.get((config, mask, "compile"))
+        if mode.startswith("float8") and bf16 and bf16["tokens_per_second"] > 0:
+            note += f" ({r['tokens_per_second'] / bf16['tokens_per_second']:.2f}x bf16 compile)"
         lines.append(
             f"| {name} | {mask} | {_label(r)}{note} | {_num(r.get('tokens_per_second'), ',.0f')} | "
             f"{_num(r.get('mfu'), '.1%')} | {_num(r.get('memory_gib'), '.1f')} | "

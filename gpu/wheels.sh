@@ -5,7 +5,7 @@
 #
 #   .whl/*.whl                   plait-train's: `datasets` and the two packages it needs beyond the
 #                                image (which has pyarrow, pandas, fsspec, huggingface-hub, xxhash,
-#                                tqdm, pyyaml)
+#                                tqdm, pyyaml), and torchao for training.float8 (the float8 runs)
 #   .whl/torchtitan/*.whl        torchtitan 0.3.0 and what it imports on the benchmark's path that the
 #                                image lacks, with the older `datasets` it pins (<4.8) and that
 #                                datasets' own dill / multiprocess: a folder of its own, put on
@@ -34,7 +34,7 @@ download() {  # download DIR SPEC...: wheels only, for the GPU machine's python,
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         -d "$dir" "$@"
 }
-download .whl "datasets==5.2.0" "dill==0.4.1" "multiprocess==0.70.19"
+download .whl "datasets==5.2.0" "dill==0.4.1" "multiprocess==0.70.19" "torchao==0.18.0"
 rm -rf .whl/torchtitan
 download .whl/torchtitan "torchtitan==0.3.0" \
     "spmd_types==0.2.3" "torch_checkpointing==0.1.0" "torchdata==0.11.0" \

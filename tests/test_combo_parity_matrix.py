@@ -93,6 +93,13 @@ BF16_MIN_FLOOR = 1e-5  # a floor measured as 0 (identical runs) still admits fp3
 # kernels), each against a one-rank reference on the same route.
 COMMON = [*parity_args(steps=STEPS, lr=1e-3), "--metrics.tensorboard", "false", "--training.cpu_bf16", "native"]
 FP32_ROUTE = {"cpu_bf16": "fp32"}
+# The settings that make a bf16 entry's reference another run (Layout.precision).
+PRECISION = ("cpu_bf16", "float8", "float8_filter")
+# Float8 (issue 42): the debug models' linears are below torchao's size rule, so every linear with
+# dims divisible by 16 is converted (the output head stays bf16). Tensorwise under FSDP gathers the
+# weights in float8 and recomputes their scales after each optimizer step.
+FLOAT8 = {"float8": "tensorwise", "float8_filter": "divisible"}
+FLOAT8_ROWWISE = {"float8": "rowwise", "float8_filter": "divisible"}
 FLOOR = "one rank, accumulation 2"
 
 
@@ -132,9 +139,17 @@ class Layout:
                 args += [f"--{section}.{key}", str(value).lower() if isinstance(value, bool) else str(value)]
         return args
 
+    def precision(self) -> dict:
+        """The training settings its bf16 reference must share: the CPU kernel route of bf16
+        products (cpu_bf16) and float8 (the recipe and which linears)."""
+        found = {key: self.training[key] for key in PRECISION if key in self.training}
+        if found.get("cpu_bf16") == "native":
+            del found["cpu_bf16"]
+        return found
+
     def route(self) -> str:
-        """The CPU kernel route of its bf16 products (training.cpu_bf16)."""
-        return self.training.get("cpu_bf16", "native")
+        """`precision()` as text ("native": bf16 through torch's bf16 kernels, nothing else)."""
+        return ", ".join(f"{k}={v}" for k, v in self.precision().items()) or "native"
 
     def checked_steps(self, steps: int) -> list[int]:
         """The steps whose host syncs must be the expected count. Under pipeline parallel the first
@@ -216,10 +231,21 @@ LAYOUTS = [
            fp32=False),
     Layout("PP 2 1F1B, CPU bf16 through fp32 kernels", 2, {**PP2, "pipeline_schedule": "1F1B"}, FP32_ROUTE,
            layers=PP2_LAYERS, fp32=False),
+    # Float8 linears (bf16 entries against float8 on one rank; "FSDP 2, float8 ..." the FSDP anchors).
+    Layout("FSDP 2, float8 tensorwise (float8 all-gather)", 2, training=FLOAT8, fp32=False),
+    Layout("FSDP 2, float8 rowwise, selective AC, accumulation 2", 2,
+           training={**FLOAT8_ROWWISE, "activation_checkpoint": "selective", "gradient_accumulation_steps": 2},
+           fp32=False),
+    Layout("TP 2 + SP + loss parallel, float8 tensorwise", 2, {"tp": 2}, FLOAT8, fp32=False),
+    Layout("CP 2 ring, float8 tensorwise", 2, {"cp": 2, **CP1, "cp_method": "ring"}, FLOAT8, fp32=False),
+    Layout("PP 2 1F1B, float8 tensorwise", 2, {**PP2, "pipeline_schedule": "1F1B"}, FLOAT8, layers=PP2_LAYERS,
+           fp32=False),
+    Layout("EP 2 dropless, float8 tensorwise", 2, {"ep": 2}, FLOAT8, models=DEEPSEEK, fp32=False),
     # 4 ranks
     Layout("FSDP 4", 4),
     Layout("HSDP 2x2", 4, {"dp_replicate": 2}),
     Layout("FSDP 2 x TP 2", 4, {"tp": 2}),
+    Layout("FSDP 2 x TP 2, float8 tensorwise (float8 all-gather)", 4, {"tp": 2}, FLOAT8, fp32=False),
     Layout("FSDP 2 x CP 2 ring", 4, {"cp": 2, "cp_method": "ring"}),
     Layout("TP 2 x CP 2 all-gather", 4, {"tp": 2, "cp": 2, **CP1}),
     Layout("FSDP 2 x CP 2 ring, document mask, full AC, accumulation 2", 4, {"cp": 2, "cp_method": "ring"},
@@ -272,7 +298,9 @@ ENTRIES = [
 # The FSDP-policy bf16 references, one per set of model arguments the fsdp-policy entries use.
 ANCHORS = {
     (tuple(sorted(layout.model_args.items())), layout.route()): layout
-    for layout in LAYOUTS if layout.name in ("FSDP 2", "FSDP 2, document mask", "FSDP 2, CPU bf16 through fp32 kernels")
+    for layout in LAYOUTS if layout.name in ("FSDP 2", "FSDP 2, document mask", "FSDP 2, CPU bf16 through fp32 kernels",
+                                             "FSDP 2, float8 tensorwise (float8 all-gather)",
+                                             "FSDP 2, float8 rowwise, selective AC, accumulation 2")
 }
 
 
@@ -301,7 +329,7 @@ def _reference_key(layout: Layout, model: str, dtype: str) -> str:
 
 def _one_rank_key(model: str, dtype: str, model_args: dict, name: str = "one rank", route: str = "native") -> str:
     extra = "".join(f", {k}={v}" for k, v in sorted(model_args.items()))
-    extra += f", cpu_bf16={route}" if route != "native" else ""
+    extra += f", {route}" if route != "native" else ""
     return f"{model} {dtype}: {name}{extra}"
 
 
@@ -316,7 +344,7 @@ def _one_rank_jobs(entries: list[tuple]) -> list[tuple]:
             key = _one_rank_key(model, dtype, layout.model_args, name, route)
             if key not in seen:
                 seen.add(key)
-                routed = {**training, **({"cpu_bf16": route} if route != "native" else {})}
+                routed = {**training, **layout.precision()}
                 one = Layout(name, 1, training=routed, model_args=layout.model_args)
                 reference = _one_rank_key(model, dtype, layout.model_args, route=route) if name == FLOOR else None
                 jobs.append((key, model, one.argv(model, dtype), dtype, reference))
@@ -580,7 +608,8 @@ def test_layout_matches_its_reference(layout, model, dtype, runs, report):
         failures.append(f"the dispatchers count {own} host syncs per step, the sentinel {syncs}")
     if violations:
         failures.append(f"{violations} kernel-precondition violations:\n{result['sentinel_report']}")
-    # The fp32 route runs its products in fp32 by design: the dtype check is the native route's.
+    # The fp32 route runs its products in fp32 by design, and so does float8's CPU emulation
+    # (dequantized float8 operands): the dtype check is the native route's.
     for run, name in ((result, "this entry"), (reference, "its reference")) if layout.route() == "native" else ():
         if run["off_dtype"]:
             failures.append(f"compute kernels outside bf16 in {name}: " + "; ".join(run["off_dtype"]))

@@ -21,6 +21,7 @@ from plait.mesh import Meshes
 
 from .config import DataParallelConfig
 from .cpu_overlap import overlap_on_cpu
+from .gloo_bytes import ByteAllGather
 from .precision import mixed_precision_policy, offload_policy
 
 
@@ -84,6 +85,9 @@ def shard_module(
     )
     if gradient_divide_factor is not None:
         _set_divide_factor(module, gradient_divide_factor, mesh.device_type)
+    if mesh.device_type == "cpu":
+        for unit in module if isinstance(module, list) else [module]:
+            unit.set_custom_all_gather(ByteAllGather())  # float8 weights gathered as bytes on gloo
     return module
 
 

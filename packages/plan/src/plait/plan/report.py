@@ -28,6 +28,7 @@ def build_report(config, plan, traced, device: Device, device_memory_gib: float,
         "gradient_accumulation_steps": t.gradient_accumulation_steps,
         "activation_checkpoint": t.activation_checkpoint,
         "dtype": t.dtype,
+        "float8": t.float8,
         "kernel_route": "gpu",  # what the step was traced through (trace.gpu_kernel_routes)
         "vocab_size": plan.model_args.vocab_size,
         "documents": documents,
@@ -58,14 +59,19 @@ def build_report(config, plan, traced, device: Device, device_memory_gib: float,
 
 
 def _compute(config, plan, pipe: dict | None, device: Device) -> tuple[float, float]:
-    """FLOPs of a rank per step and their time at the device's dense bf16 peak."""
+    """FLOPs of a rank per step and their time at the device's dense peaks: float8 linears'
+    (training.float8) at its float8 peak, the rest at its bf16 peak."""
+    from plait.trainer.float8 import float8_flops_per_token
+
     t, dims = config.training, plan.dims
     # A rank computes 1 / (tp x cp) of each of its sequences (the trainer's metrics count it so);
     # under pp, its stages' share of the blocks.
     tokens_per_rank = t.local_batch_size * t.seq_len * t.gradient_accumulation_steps / (dims.tp * dims.cp)
     share = pipe["blocks"] / pipe["model_blocks"] if pipe else 1.0
     flops = plan.model.flops_per_token(t.seq_len) * tokens_per_rank * share
-    compute_s = flops / (device.bf16_tflops * 1e12)
+    float8_flops = float8_flops_per_token(plan.model, config) * tokens_per_rank * share
+    compute_s = (flops - float8_flops) / (device.bf16_tflops * 1e12)
+    compute_s += float8_flops / (device.fp8_tflops * 1e12) if float8_flops else 0.0
     # The pipeline's bubble: idle time of a stage, as a fraction of the step (pipeline.BUBBLE).
     compute_s /= 1 - (pipe["bubble"] if pipe else 0.0)
     return flops, compute_s

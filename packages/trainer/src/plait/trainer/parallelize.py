@@ -20,6 +20,7 @@ from plait.mesh import Meshes, ParallelConfigError
 from . import pipeline
 from .activation_checkpoint import apply_activation_checkpointing
 from .config import Config, ConfigError
+from .float8 import convert_to_float8, describe
 from .fsdp_tp import fsdp_post_forward_first
 from .log import log
 from .validate import RunPlan, cp_config, ep_config, tp_config
@@ -35,6 +36,7 @@ class ParallelModel:
     cp_layout: object | None = None  # plait.contextparallel.SequenceLayout the batch is sharded in
     dispatchers: dict | None = None  # expert parallel: module path -> token dispatcher
     stages: list | None = None  # pipeline parallel: this rank's plait.pipelineparallel Stages
+    float8_all_gather: bool = False  # FSDP gathers float8 weights: their scales follow each optimizer step
 
 
 def compile_kwargs(training) -> dict:
@@ -114,6 +116,7 @@ def _parallelize(config: Config, plan: RunPlan, meshes: Meshes, device: torch.de
         log.warning("model.init = sharded on CPU gives every shard the same random numbers; use model.init = "
                     "full, or start from a seed checkpoint (--checkpoint.create_seed_checkpoint, then "
                     "--checkpoint.initial_load_path).")
+    float8_all_gather = _float8(config, model, meshes, device.type)
     stages = None
     if meshes.dims.pp > 1:
         stages = pipeline.split_stages(config, plan, meshes)
@@ -139,7 +142,22 @@ def _parallelize(config: Config, plan: RunPlan, meshes: Meshes, device: torch.de
     if stages is not None:
         wrapped = model = pipeline.StageUnion([s.module for s in stages])
     return ParallelModel(wrapped, model, dp_mode, _autocast(config, meshes, dp_config, dp_mode, device),
-                         loss_parallel, cp_layout, dispatchers or None, stages=stages)  # fmt: skip
+                         loss_parallel, cp_layout, dispatchers or None, stages=stages,
+                         float8_all_gather=float8_all_gather)  # fmt: skip
+
+
+def _float8(config: Config, model: nn.Module, meshes: Meshes, device_type: str) -> bool:
+    """training.float8: convert the linears before any parallelism sees them; whether FSDP gathers
+    the weights in float8 (tensorwise, with a sharding data parallel)."""
+    if config.training.float8 == "off":
+        return False
+    from plait.dataparallel.config import data_parallel_mode
+
+    mode = data_parallel_mode(meshes.dims, data_parallel_config(config))
+    all_gather = config.training.float8 == "tensorwise" and mode in ("fsdp", "hsdp")
+    converted = convert_to_float8(model, config, all_gather, device_type)
+    log.info(describe(converted, config))
+    return all_gather and bool(converted)
 
 
 def _parallelize_part(config: Config, plan: RunPlan, meshes: Meshes, device: torch.device, part: _Part,

@@ -96,6 +96,17 @@ class TrainingConfig:
     head dim <= 16 on every CPU), torch's bf16 kernels elsewhere; native, torch's bf16 kernels always
     (equal work with another framework's bf16 run); fp32, fp32 kernels always. No effect on a GPU.
     plait.models.cpu_bf16 decides; context parallel takes its answer."""
+    float8: Literal["off", "tensorwise", "rowwise"] = "off"
+    """Float8 compute for the model's linear layers (torchao's Float8Linear: pip install
+    'plait-trainer[float8]'; needs training.dtype = bfloat16). tensorwise: one scale per tensor;
+    under FSDP / HSDP the weights are all-gathered in float8, their scales computed once per step
+    after the optimizer. rowwise: one scale per row, more accurate, weights gathered in bf16. The
+    output layer and layers float8_filter excludes stay in bf16; weights, gradients, optimizer
+    state and checkpoints stay in high precision (resume with float8 on or off)."""
+    float8_filter: Literal["auto", "divisible"] = "auto"
+    """Which linears float8 converts. auto: torchao's rule, skipping layers too small to gain on a
+    GPU (and any whose dims are not multiples of 16); divisible: every linear whose dims are
+    multiples of 16 (small models, tests)."""
     deterministic: bool = False
     """torch.use_deterministic_algorithms(True) and deterministic kernels: bitwise-repeatable runs."""
     compile: bool = False

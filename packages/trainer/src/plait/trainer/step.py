@@ -16,6 +16,7 @@ from plait.mesh import clip_grad_norm_, grad_norm
 from plait.models.documents import MIN_DOCUMENTS_PER_ROW, documents_capacity, row_segments, to_device_with_segments
 
 from .config import ConfigError
+from .float8 import after_optimizer_step
 
 IGNORE_INDEX = -100
 
@@ -136,6 +137,8 @@ class StepRunner:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        if self.pm.float8_all_gather:
+            after_optimizer_step(self.pm.inner)  # the float8 weights' scales for the next all-gathers
         if self.moe is not None:
             self.moe.after_step()
         return norm

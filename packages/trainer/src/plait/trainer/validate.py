@@ -17,6 +17,7 @@ from plait.mesh import ParallelConfigError, ParallelDims
 
 from .config import Config, ConfigError
 from .data_checks import build_checked_tokenizer, check_data
+from .float8 import check_float8
 from .model_args import model_spec, resolve_model_args
 from .parallel_settings import cp_config, ep_config, optional_parallel_module, pipeline_microbatches, tp_config
 from .wandb_logger import check_wandb
@@ -242,6 +243,7 @@ def validate(config: Config, world_size: int | None = None, check_memory: bool =
     `tokenizer` is None; the model's vocab_size stands for it), every other check as plait-train's."""
     world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
     _check_positive(config)
+    check_float8(config)
     dims = _parallel_dims(config, world_size)
     # Optional parallel packages, before anything is built with them.
     parallel_modules = {

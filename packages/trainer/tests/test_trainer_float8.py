@@ -1,0 +1,93 @@
+"""training.float8 (issue 42): bad settings fail in one line before anything starts; the linears
+become torchao's Float8Linear with their names (the output head stays bf16); float8 changes the
+loss, and 300 steps of each debug model end near bf16's; a float8 checkpoint resumes with float8
+off and exports the same Hugging Face names. The layouts are in the parity matrix (tests/)."""
+
+import importlib.util
+import json
+import math
+
+import pytest
+
+from plait.testing.trainer import losses, run_cli, train_in_process
+from plait.trainer.config import ConfigError, build_config
+from plait.trainer.validate import validate
+
+FLOAT8 = ["--training.dtype", "bfloat16", "--training.float8", "tensorwise", "--training.float8_filter", "divisible"]
+
+
+def _config(*pairs):
+    return build_config(None, list(zip(pairs[::2], pairs[1::2])))
+
+
+def test_bad_float8_settings_are_one_line(monkeypatch):
+    with pytest.raises(ConfigError, match=r"training.float8 = rowwise needs training.dtype = bfloat16") as info:
+        validate(_config("training.float8", "rowwise"), world_size=1)
+    assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match=r"training.float8 = 'tensor'.*tensorwise"):
+        _config("training.float8", "tensor")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"needs torchao: pip install 'plait-trainer\[float8\]'"):
+        validate(_config("training.float8", "tensorwise", "training.dtype", "bfloat16"), world_size=1)
+
+
+def test_linears_become_float8_with_their_names_and_the_head_stays():
+    from torchao.float8.float8_linear import Float8Linear
+
+    from plait.trainer.float8 import convert_to_float8, describe
+
+    plan = validate(_config("training.dtype", "bfloat16", "training.float8", "tensorwise",
+                            "training.float8_filter", "divisible"), world_size=1)  # fmt: skip
+    names = list(plan.model.state_dict())
+    converted = convert_to_float8(plan.model, build_config(None, [("training.float8", "tensorwise"),
+                                                                  ("training.float8_filter", "divisible")]),
+                                  float8_all_gather=False, device_type="cpu")  # fmt: skip
+    assert list(plan.model.state_dict()) == names
+    assert "output" not in converted and not isinstance(plan.model.output, Float8Linear)
+    assert all(isinstance(plan.model.get_submodule(path), Float8Linear) for path in converted)
+    assert len(converted) == 7 * len(plan.model.layers)  # wq, wk, wv, wo, w1, w2, w3 per block
+    assert "layers.*.attention.wq" in describe(converted, _config("training.float8", "tensorwise"))
+    # torchao's rule (auto) keeps layers this small in bf16, and says so.
+    auto = validate(_config("training.dtype", "bfloat16", "training.float8", "rowwise"), world_size=1)
+    none = convert_to_float8(auto.model, _config("training.float8", "rowwise"), False, "cpu")
+    assert none == [] and "no linear qualifies" in describe(none, _config("training.float8", "rowwise"))
+
+
+# Measured on 2026-11-28 (2-core Xeon, float8 through torchao's CPU emulation): the mean loss of
+# steps 251-300, float8 tensorwise against bf16, differs by +0.003 % for Llama 3 (6.259 vs 6.259)
+# and -0.2 % for DeepSeek-V3 (6.658 vs 6.671) at these settings; at seq 64 and local batch 4, by
+# +0.01 % and +2.4 % (DeepSeek-V3's MLA and router see float8 inputs). The bound leaves 2x over
+# the largest.
+CONVERGENCE_STEPS = 300
+CONVERGENCE_REL = 0.05
+
+
+@pytest.mark.parametrize("model", ["llama3", "deepseek_v3"])
+def test_float8_acts_and_300_steps_end_near_bf16(tmp_path, model):
+    common = ["--model.name", model, "--model.n_layers", "2", "--training.seq_len", "32",
+              "--training.local_batch_size", "2", "--training.steps", str(CONVERGENCE_STEPS),
+              "--metrics.log_freq", "50", "--metrics.tensorboard", "false", "--metrics.progress_bar", "false",
+              "--training.cpu_bf16", "native", "--optimizer.lr", "1e-3"]  # fmt: skip
+    bf16 = [r["loss"] for r in train_in_process(tmp_path / "bf16", *common, "--training.dtype", "bfloat16")]
+    float8 = [r["loss"] for r in train_in_process(tmp_path / "float8", *common, *FLOAT8)]
+    assert len(bf16) == len(float8) == CONVERGENCE_STEPS
+    assert any(a != b for a, b in zip(float8, bf16)), "float8 did not change the loss"
+    last, ref = sum(float8[-50:]) / 50, sum(bf16[-50:]) / 50
+    assert math.isfinite(last) and abs(last - ref) / ref < CONVERGENCE_REL, (model, last, ref)
+    assert last < bf16[0] - 1.0, "float8 did not train"
+
+
+def test_a_float8_checkpoint_resumes_without_float8_and_exports_the_same_names(tmp_path):
+    dump = tmp_path / "run"
+    args = ["--model.n_layers", "1", "--training.seq_len", "64", "--training.local_batch_size", "2",
+            "--metrics.tensorboard", "false", "--checkpoint.enable", "true", "--checkpoint.interval", "2",
+            "--metrics.log_freq", "1"]  # fmt: skip
+    run_cli(dump, *args, *FLOAT8, "--training.steps", "2")
+    resumed = run_cli(dump, *args, "--training.dtype", "bfloat16", "--training.steps", "3",
+                      "--checkpoint.last_save_in_hf", "true")  # fmt: skip
+    assert "plait-train: checkpoint: resuming from" in resumed.stdout and "(step 2, same layout" in resumed.stdout
+    assert len(losses(dump)) == 3 and all(math.isfinite(loss) for loss in losses(dump))
+    index = json.loads(next((dump / "checkpoints").glob("hf-step-*/model.safetensors.index.json")).read_text())
+    assert "model.layers.0.self_attn.q_proj.weight" in index["weight_map"] and "lm_head.weight" in index["weight_map"]
+    assert not any("float8" in name or "scale" in name for name in index["weight_map"])
