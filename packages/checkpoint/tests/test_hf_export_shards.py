@@ -95,3 +95,25 @@ def test_two_writers_number_their_files_in_one_sequence(tmp_path):
     assert {name: file for name, (file, _) in written.items()} == index["weight_map"]
     for name, tensor in expected.items():
         assert torch.equal(written[name][1], tensor), name
+
+
+def test_a_tied_head_round_trips_a_layer_at_a_time(tmp_path):
+    """Llama 3.2's tied embedding and head: exported once (as the embedding), loaded a layer at a
+    time into both names, still one tensor (the adapter used to require the embedding in every
+    part of the folder it was given)."""
+    from plait.checkpoint.hf_sharded import export_hf_sharded, load_hf_sharded
+    from plait.models.llama3 import FLAVORS, Transformer
+
+    args = dataclasses.replace(FLAVORS["debugmodel"], n_layers=2, dim=64, n_heads=4, n_kv_heads=4, vocab_size=256,
+                               tie_embeddings=True)  # fmt: skip
+    torch.manual_seed(0)
+    model = Transformer(args)
+    model.init_weights()
+    out = export_hf_sharded(model, tmp_path / "tied", "llama3", "debugmodel", torch.float32, args)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert "lm_head.weight" not in index["weight_map"] and "model.embed_tokens.weight" in index["weight_map"]
+    loaded = Transformer(args)
+    load_hf_sharded(loaded, out, "llama3", "debugmodel", args)
+    assert loaded.output.weight is loaded.tok_embeddings.weight
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name

@@ -86,8 +86,9 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str
         if suffix in _ROTARY:
             tensor = half_to_interleaved(tensor, args.head_dim)
         state_dict[f"layers.{layer}.{suffix}"] = tensor
-    if args.tie_embeddings:
-        # plait's state dict lists the shared matrix under both names.
+    if args.tie_embeddings and "tok_embeddings.weight" in state_dict:
+        # plait's state dict lists the shared matrix under both names. (A part of the folder, as a
+        # layer-at-a-time load reads it, may hold other tensors alone.)
         state_dict["output.weight"] = state_dict["tok_embeddings.weight"]
     return state_dict
 
