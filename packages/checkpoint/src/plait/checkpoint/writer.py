@@ -79,12 +79,7 @@ class CheckpointWriter:
             self._raise_if_failed(step, tmp, [store.cause_of(e)])
         test_kill(KILL_DURING_SAVE, step)
         crcs = self._gather_checksums(tmp, group=None)  # every rank's files are written and hashed
-        verdict = None
-        if self.rank == 0:
-            try:
-                self._publish(step, tmp, dict(meta, crcs=crcs), f"{time.perf_counter() - t0:.2f} s")
-            except (OSError, CheckpointError) as e:
-                verdict = store.cause_of(e)
+        verdict = self._publish_on_rank_0(step, tmp, meta, crcs, f"{time.perf_counter() - t0:.2f} s")
         self._raise_if_failed(step, tmp, [broadcast(verdict)])
         if not meta["model_only"]:  # every rank knows the last good checkpoint (for its error lines)
             self.last_good = (step, self.folder / store.step_name(step))
@@ -147,6 +142,16 @@ class CheckpointWriter:
         dist.gather_object(mine, parts, dst=0, group=group)
         return {name: crc for part in parts for name, crc in part.items()} if self.rank == 0 else None
 
+    def _publish_on_rank_0(self, step: int, tmp: Path, meta: dict, crcs: dict | None, how: str) -> str | None:
+        """Rank 0 publishes the written save; its problem, to share (None: published, or another rank)."""
+        if self.rank != 0:
+            return None
+        try:
+            self._publish(step, tmp, dict(meta, crcs=crcs), how)
+        except (OSError, CheckpointError) as e:
+            return store.cause_of(e)
+        return None
+
     def _publish(self, step: int, tmp: Path, meta: dict, how: str) -> None:
         """Rank 0: marker (checksums, run id, publication number), atomic rename, pruning."""
         meta = dict(meta)
@@ -207,12 +212,7 @@ class CheckpointWriter:
         except (Exception, CheckpointException) as e:  # the checksum gather itself failed
             problem = f"the background write failed on rank {self.rank}: {store.cause_of(e)}"
         self._raise_if_failed(step, tmp, self._agreed(problem))
-        verdict = None
-        if self.rank == 0:
-            try:
-                self._publish(step, tmp, dict(meta, crcs=crcs), f"written in the background, waited {waited:.2f} s")
-            except (OSError, CheckpointError) as e:
-                verdict = store.cause_of(e)
+        verdict = self._publish_on_rank_0(step, tmp, meta, crcs, f"written in the background, waited {waited:.2f} s")
         self._raise_if_failed(step, tmp, [self._agreed(verdict)[0]])
         if self.rank != 0 and not meta["model_only"]:
             self.last_good = (step, self.folder / store.step_name(step))  # rank 0 published it
