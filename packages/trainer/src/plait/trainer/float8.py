@@ -53,7 +53,8 @@ def convert_to_float8(model: nn.Module, config: Config, float8_all_gather: bool,
 
     On CPU the float8 matmuls are torchao's emulation: the same float8 operands and scales,
     dequantized, multiplied in fp32. torch's CPU `_scaled_mm` with a per-tensor scale takes a path
-    ~1000x slower than its rowwise one (12.5 s against 11 ms for 2048 x 256 x 768 on one core), and
+    ~1000x slower than its rowwise one (12.5 s against 11 ms for 2048 x 256 x 768, one thread of a
+    2-core Xeon with AVX512-BF16 / AMX, torch 2.13; benchmarks/RESULTS.md), and
     torchao runs rowwise's backward matmuls through that per-tensor path too; the GPU runs
     `_scaled_mm` itself (the GPU lease measures it)."""
     from torchao.float8 import Float8LinearConfig, _auto_filter_for_recipe, convert_to_float8_training
