@@ -10,7 +10,8 @@ torchtitan 0.3.0 or 0.2.2 where it is installed), bf16, torch.compile, selective
 
 `--modes eager,compile,cudagraphs` runs plait once per mode (cudagraphs: training.compile_mode =
 reduce-overhead, each compiled block replayed as a CUDA graph; docs/cuda_graphs.md; float8tw /
-float8rw: compiled with training.float8 tensorwise / rowwise, MFU still over the bf16 peak), torchtitan
+float8rw: compiled with training.float8 tensorwise / rowwise, MFU still over the bf16 peak; float8x:
+float8rw with the MoE experts' grouped GEMMs in float8 too), torchtitan
 once, compiled (and, torchtitan 0.3.0's default on CUDA, its forward-backward captured as one CUDA
 graph; 0.2.2 has none). `--attention-mask causal,document` runs each mode with each mask.
 
@@ -101,6 +102,8 @@ MODES = {
     # One GPU has no FSDP, so tensorwise's float8 all-gather needs a 2-GPU lease.
     "float8tw": ["--training.compile", "true", "--training.float8", "tensorwise"],
     "float8rw": ["--training.compile", "true", "--training.float8", "rowwise"],
+    # training.float8_experts (auto: rowwise on sm89 / sm90, MXFP8 on sm100) on top of float8rw.
+    "float8x": ["--training.compile", "true", "--training.float8", "rowwise", "--training.float8_experts", "auto"],
 }
 
 

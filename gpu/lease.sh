@@ -32,7 +32,7 @@
 #   suite      150 s                       ~90 s, plus the varlen tests
 #   signature  30 s                        ~5 s
 #   varlen     75 s                        ~20 s
-#   bench      what is left, less 30 s     14 runs of ~25-45 s (compile start-up dominates), most wanted
+#   bench      what is left, less 30 s     18 runs of ~25-45 s (compile start-up dominates), most wanted
 #                                          first; gpu.py starts a run only with 40 s left (one run at
 #                                          most 150 s) and records the rest as not run
 #   table      15 s                        ~1 s
@@ -46,7 +46,7 @@ set -u
 cd "$(dirname "$0")/.."
 DRY=0 TOTAL_S=520 SUITE_S=150 VARLEN_S=75 STEPS=10 WARMUP=4 BATCH_16B=1 TT_VERSION=auto
 RUNS=llama3-8B:causal:compile,llama3-8B:causal:torchtitan,deepseek-16B:causal:compile,deepseek-16B:causal:torchtitan
-RUNS+=,llama3-8B:causal:float8rw,llama3-8B:causal:float8tw,deepseek-16B:causal:float8rw
+RUNS+=,llama3-8B:causal:float8rw,llama3-8B:causal:float8tw,deepseek-16B:causal:float8rw,deepseek-16B:causal:float8x
 RUNS+=,llama3-8B:document:compile,deepseek-16B:document:compile
 RUNS+=,llama3-8B:causal:cudagraphs,llama3-8B:document:cudagraphs,deepseek-16B:causal:cudagraphs,deepseek-16B:document:cudagraphs
 RUNS+=,deepseek-16B:causal:eager,deepseek-16B:document:eager,llama3-8B:causal:eager,llama3-8B:document:eager

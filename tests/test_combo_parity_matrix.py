@@ -94,12 +94,14 @@ BF16_MIN_FLOOR = 1e-5  # a floor measured as 0 (identical runs) still admits fp3
 COMMON = [*parity_args(steps=STEPS, lr=1e-3), "--metrics.tensorboard", "false", "--training.cpu_bf16", "native"]
 FP32_ROUTE = {"cpu_bf16": "fp32"}
 # The settings that make a bf16 entry's reference another run (Layout.precision).
-PRECISION = ("cpu_bf16", "float8", "float8_filter")
+PRECISION = ("cpu_bf16", "float8", "float8_filter", "float8_experts")
 # Float8 (issue 42): the debug models' linears are below torchao's size rule, so every linear with
 # dims divisible by 16 is converted (the output head stays bf16). Tensorwise under FSDP gathers the
 # weights in float8 and recomputes their scales after each optimizer step.
 FLOAT8 = {"float8": "tensorwise", "float8_filter": "divisible"}
 FLOAT8_ROWWISE = {"float8": "rowwise", "float8_filter": "divisible"}
+# The routed experts' grouped GEMMs in MXFP8 as well (torchao's emulation on the CPU; groups of 32 rows).
+FLOAT8_EXPERTS = {**FLOAT8, "float8_experts": "mxfp8"}
 FLOOR = "one rank, accumulation 2"
 
 
@@ -240,7 +242,9 @@ LAYOUTS = [
     Layout("CP 2 ring, float8 tensorwise", 2, {"cp": 2, **CP1, "cp_method": "ring"}, FLOAT8, fp32=False),
     Layout("PP 2 1F1B, float8 tensorwise", 2, {**PP2, "pipeline_schedule": "1F1B"}, FLOAT8, layers=PP2_LAYERS,
            fp32=False),
-    Layout("EP 2 dropless, float8 tensorwise", 2, {"ep": 2}, FLOAT8, models=DEEPSEEK, fp32=False),
+    Layout("FSDP 2, float8 tensorwise, MXFP8 experts", 2, training=FLOAT8_EXPERTS, models=DEEPSEEK, fp32=False),
+    Layout("EP 2 dropless, float8 tensorwise, MXFP8 experts", 2, {"ep": 2}, FLOAT8_EXPERTS, models=DEEPSEEK,
+           fp32=False),
     # 4 ranks
     Layout("FSDP 4", 4),
     Layout("HSDP 2x2", 4, {"dp_replicate": 2}),
@@ -300,7 +304,8 @@ ANCHORS = {
     (tuple(sorted(layout.model_args.items())), layout.route()): layout
     for layout in LAYOUTS if layout.name in ("FSDP 2", "FSDP 2, document mask", "FSDP 2, CPU bf16 through fp32 kernels",
                                              "FSDP 2, float8 tensorwise (float8 all-gather)",
-                                             "FSDP 2, float8 rowwise, selective AC, accumulation 2")
+                                             "FSDP 2, float8 rowwise, selective AC, accumulation 2",
+                                             "FSDP 2, float8 tensorwise, MXFP8 experts")
 }
 
 

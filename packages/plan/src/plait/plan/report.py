@@ -29,6 +29,7 @@ def build_report(config, plan, traced, device: Device, device_memory_gib: float,
         "activation_checkpoint": t.activation_checkpoint,
         "dtype": t.dtype,
         "float8": t.float8,
+        "float8_experts": t.float8_experts,
         "kernel_route": "gpu",  # what the step was traced through (trace.gpu_kernel_routes)
         "vocab_size": plan.model_args.vocab_size,
         "documents": documents,
@@ -60,7 +61,8 @@ def build_report(config, plan, traced, device: Device, device_memory_gib: float,
 
 def _compute(config, plan, pipe: dict | None, device: Device) -> tuple[float, float]:
     """FLOPs of a rank per step and their time at the device's dense peaks: float8 linears'
-    (training.float8) at its float8 peak, the rest at its bf16 peak."""
+    (training.float8) and experts' (training.float8_experts) at its float8 peak, the rest at its
+    bf16 peak."""
     from plait.trainer.float8 import float8_flops_per_token
 
     t, dims = config.training, plan.dims
@@ -69,7 +71,8 @@ def _compute(config, plan, pipe: dict | None, device: Device) -> tuple[float, fl
     tokens_per_rank = t.local_batch_size * t.seq_len * t.gradient_accumulation_steps / (dims.tp * dims.cp)
     share = pipe["blocks"] / pipe["model_blocks"] if pipe else 1.0
     flops = plan.model.flops_per_token(t.seq_len) * tokens_per_rank * share
-    float8_flops = float8_flops_per_token(plan.model, config) * tokens_per_rank * share
+    experts = list(plan.info.get("experts", ()))
+    float8_flops = float8_flops_per_token(plan.model, config, experts) * tokens_per_rank * share
     compute_s = (flops - float8_flops) / (device.bf16_tflops * 1e12)
     compute_s += float8_flops / (device.fp8_tflops * 1e12) if float8_flops else 0.0
     # The pipeline's bubble: idle time of a stage, as a fraction of the step (pipeline.BUBBLE).

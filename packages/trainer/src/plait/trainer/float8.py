@@ -94,11 +94,17 @@ def after_optimizer_step(model: nn.Module) -> None:
     precompute_float8_dynamic_scale_for_fsdp(model)
 
 
-def float8_flops_per_token(model: nn.Module, config: Config) -> int:
-    """FLOPs per token of the float8 matmuls (forward and both backward products of each float8
-    linear, 6 x in x out), for the planner's time at the device's float8 peak."""
-    if config.training.float8 == "off":
-        return 0
-    from torchao.float8.float8_linear import Float8Linear
+def float8_flops_per_token(model: nn.Module, config: Config, experts: list[str] = ()) -> int:
+    """FLOPs per token of the float8 matmuls (forward and both backward products: 6 x in x out per
+    float8 linear; per float8 experts module, its three GEMMs for each of the top-k experts a token
+    reaches), for the planner's time at the device's float8 peak."""
+    flops = 0
+    if config.training.float8 != "off":
+        from torchao.float8.float8_linear import Float8Linear
 
-    return sum(6 * m.in_features * m.out_features for m in model.modules() if isinstance(m, Float8Linear))
+        flops += sum(6 * m.in_features * m.out_features for m in model.modules() if isinstance(m, Float8Linear))
+    if config.training.float8_experts != "off":
+        for path in experts:
+            moe, w1 = model.get_submodule(path.rsplit(".", 1)[0]), model.get_submodule(path).w1
+            flops += 6 * 3 * w1.shape[1] * w1.shape[2] * moe.router.top_k
+    return flops

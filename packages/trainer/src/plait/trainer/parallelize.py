@@ -21,6 +21,7 @@ from . import pipeline
 from .activation_checkpoint import apply_activation_checkpointing
 from .config import Config, ConfigError
 from .float8 import convert_to_float8, describe
+from .float8_experts import convert_experts_to_float8
 from .fsdp_tp import fsdp_post_forward_first
 from .log import log
 from .validate import RunPlan, cp_config, ep_config, tp_config
@@ -116,7 +117,7 @@ def _parallelize(config: Config, plan: RunPlan, meshes: Meshes, device: torch.de
         log.warning("model.init = sharded on CPU gives every shard the same random numbers; use model.init = "
                     "full, or start from a seed checkpoint (--checkpoint.create_seed_checkpoint, then "
                     "--checkpoint.initial_load_path).")
-    float8_all_gather = _float8(config, model, meshes, device.type)
+    float8_all_gather = _float8(config, model, list(info.get("experts", ())), meshes, device.type)
     stages = None
     if meshes.dims.pp > 1:
         stages = pipeline.split_stages(config, plan, meshes)
@@ -146,9 +147,12 @@ def _parallelize(config: Config, plan: RunPlan, meshes: Meshes, device: torch.de
                          float8_all_gather=float8_all_gather)  # fmt: skip
 
 
-def _float8(config: Config, model: nn.Module, meshes: Meshes, device_type: str) -> bool:
-    """training.float8: convert the linears before any parallelism sees them; whether FSDP gathers
-    the weights in float8 (tensorwise, with a sharding data parallel)."""
+def _float8(config: Config, model: nn.Module, experts: list[str], meshes: Meshes, device_type: str) -> bool:
+    """training.float8 / float8_experts: convert the linears and the experts' grouped GEMMs before
+    any parallelism sees them; whether FSDP gathers the weights in float8 (tensorwise, with a
+    sharding data parallel)."""
+    if config.training.float8_experts != "off":
+        log.info(convert_experts_to_float8(model, experts, config, device_type))
     if config.training.float8 == "off":
         return False
     from plait.dataparallel.config import data_parallel_mode

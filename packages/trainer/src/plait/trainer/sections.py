@@ -107,6 +107,12 @@ class TrainingConfig:
     """Which linears float8 converts. auto: torchao's rule, skipping layers too small to gain on a
     GPU (and any whose dims are not multiples of 16); divisible: every linear whose dims are
     multiples of 16 (small models, tests)."""
+    float8_experts: Literal["off", "auto", "rowwise", "mxfp8"] = "off"
+    """Float8 compute for the routed experts' grouped GEMMs (torchao; needs training.dtype =
+    bfloat16). rowwise: one scale per row (CUDA sm89+, H100), expert groups padded to 16 rows;
+    mxfp8: one scale per 32 elements (CUDA sm100, B200; torchao's emulation on a CPU), groups
+    padded to 32 rows; auto: mxfp8 on sm100 and CPUs, rowwise on sm89 / sm90. Independent of
+    training.float8 (the linears). Weights and checkpoints stay in high precision."""
     deterministic: bool = False
     """torch.use_deterministic_algorithms(True) and deterministic kernels: bitwise-repeatable runs."""
     compile: bool = False

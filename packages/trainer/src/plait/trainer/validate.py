@@ -18,6 +18,7 @@ from plait.mesh import ParallelConfigError, ParallelDims
 from .config import Config, ConfigError
 from .data_checks import build_checked_tokenizer, check_data
 from .float8 import check_float8
+from .float8_experts import check_float8_experts
 from .model_args import model_spec, resolve_model_args
 from .parallel_settings import cp_config, ep_config, optional_parallel_module, pipeline_microbatches, tp_config
 from .wandb_logger import check_wandb
@@ -266,6 +267,10 @@ def validate(config: Config, world_size: int | None = None, check_memory: bool =
         model = spec.model_cls(model_args)
     info = model.parallel_info()
     _check_parallel_fit(config, dims, parallel_modules, model, model_args, info)
+    # The GPU's kind is this machine's unless plait-plan checks a layout for another one.
+    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    check_float8_experts(config, [model.get_submodule(p) for p in info.get("experts", ())], capability,
+                         device_known=need_data)  # fmt: skip
     n_bytes = sum(p.numel() for p in model.parameters()) * 4
     full_init = config.model.init == "full" or (config.model.init == "auto" and n_bytes <= FULL_INIT_MAX_BYTES)
     if config.training.compile and not _has_compiler():

@@ -93,8 +93,10 @@ def run_experts_grouped_mm(
     w3_EDH: torch.Tensor,
     x_TD: torch.Tensor,
     num_tokens_per_expert_E: torch.Tensor,
+    gemm=_grouped_mm,
 ) -> torch.Tensor:
-    """Three grouped GEMMs over contiguous per-expert row blocks; no device-to-host sync."""
+    """Three grouped GEMMs over contiguous per-expert row blocks; no device-to-host sync. `gemm`:
+    `(x_MK, w_GKN, offs_G) -> y_MN`, the dtype's own route unless the experts carry a replacement."""
     # grouped_mm takes int32 cumulative end rows, one per expert.
     offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
     # grouped_mm leaves rows past the last offset uninitialised in its output and in the input
@@ -106,9 +108,9 @@ def run_experts_grouped_mm(
     dtype = compute_dtype(x_TD)  # autocast has no rule for grouped_mm: cast as it casts a matmul
     x_TD = x_TD.masked_fill(padding_T1, 0.0).to(dtype)
     w1, w2, w3 = w1_EDH.to(dtype), w2_EHD.to(dtype), w3_EDH.to(dtype)
-    h_TH = F.silu(_grouped_mm(x_TD, w1, offsets_E))
-    h_TH = h_TH * _grouped_mm(x_TD, w3, offsets_E)
-    y_TD = _grouped_mm(h_TH, w2, offsets_E)
+    h_TH = F.silu(gemm(x_TD, w1, offsets_E))
+    h_TH = h_TH * gemm(x_TD, w3, offsets_E)
+    y_TD = gemm(h_TH, w2, offsets_E)
     return y_TD.masked_fill(padding_T1, 0.0)
 
 
@@ -165,23 +167,30 @@ class GroupedExperts(nn.Module):
     # reorder, then set `pad_groups = False`; without them (ep = 1) forward pads the groups itself.
     group_alignment = GROUP_ALIGNMENT
     pad_groups = True
+    # A replacement grouped GEMM, `(x_MK, w_GKN, offs_G) -> y_MN` on rows padded to
+    # `group_alignment` (float8 training installs torchao's scaled grouped GEMM and raises the
+    # alignment to what its kernel needs), or None: the dtype's own route. The model stays as
+    # written; what replaces the GEMM is the trainer's choice, made before any parallelism.
+    grouped_mm = None
 
     def forward(
         self, x_TD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor, group_rows: int | None = None
     ) -> torch.Tensor:
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
-        if group_rows is not None and _equal_groups_as_bmm(x_TD):
-            return run_experts_bmm(w1, w2, w3, x_TD, group_rows)
-        if not (self.use_grouped_mm and _grouped_mm_ok(x_TD, w1)):
-            return run_experts_for_loop(w1, w2, w3, x_TD, num_tokens_per_expert_E)
+        gemm = self.grouped_mm or _grouped_mm
+        if self.grouped_mm is None:
+            if group_rows is not None and _equal_groups_as_bmm(x_TD):
+                return run_experts_bmm(w1, w2, w3, x_TD, group_rows)
+            if not (self.use_grouped_mm and _grouped_mm_ok(x_TD, w1)):
+                return run_experts_for_loop(w1, w2, w3, x_TD, num_tokens_per_expert_E)
         if not self.pad_groups or self.group_alignment == 1:
-            return run_experts_grouped_mm(w1, w2, w3, x_TD, num_tokens_per_expert_E)
+            return run_experts_grouped_mm(w1, w2, w3, x_TD, num_tokens_per_expert_E, gemm)
         # ep = 1: pad every group to the alignment (one expert-major "source rank"), run, restore.
         N = x_TD.shape[0]
         x_padded_PD, permuted_P, m_sizes_E = permute_and_pad(
             x_TD, num_tokens_per_expert_E, 1, w1.shape[0], self.group_alignment
         )
-        y_padded_PD = run_experts_grouped_mm(w1, w2, w3, x_padded_PD, m_sizes_E)
+        y_padded_PD = run_experts_grouped_mm(w1, w2, w3, x_padded_PD, m_sizes_E, gemm)
         y_ND = unpermute(y_padded_PD, permuted_P, N)
         # Rows past the groups (a static buffer's tail) were never mapped: zero, like the loop's.
         padding_N1 = (torch.arange(N, device=x_TD.device) >= num_tokens_per_expert_E.sum())[:, None]
