@@ -142,3 +142,16 @@ def test_a_float8_checkpoint_resumes_without_float8_and_exports_the_same_names(t
     index = json.loads(next((dump / "checkpoints").glob("hf-step-*/model.safetensors.index.json")).read_text())
     assert "model.layers.0.self_attn.q_proj.weight" in index["weight_map"] and "lm_head.weight" in index["weight_map"]
     assert not any("float8" in name or "scale" in name for name in index["weight_map"])
+
+
+def test_float8_linears_and_experts_compile(tmp_path):
+    """training.compile with float8 linears and MXFP8 experts: Inductor compiles the float8 linears
+    (torchao's emulation on the CPU) and the blocks around the experts, whose emulated grouped GEMMs
+    run eagerly (float8_experts.py); the losses are the eager float8 run's within compile's noise."""
+    args = ["--model.name", "deepseek_v3", "--model.n_layers", "2", "--training.seq_len", "32",
+            "--training.local_batch_size", "2", "--training.steps", "2", "--metrics.log_freq", "1",
+            "--metrics.tensorboard", "false", "--metrics.progress_bar", "false", *FLOAT8,
+            "--training.float8_experts", "mxfp8"]  # fmt: skip
+    eager = [r["loss"] for r in train_in_process(tmp_path / "eager", *args)]
+    compiled = [r["loss"] for r in train_in_process(tmp_path / "compiled", *args, "--training.compile", "true")]
+    assert len(compiled) == 2 and all(abs(a - b) / b < 2e-3 for a, b in zip(compiled, eager)), (compiled, eager)

@@ -66,6 +66,11 @@ def _check_device(setting: str, recipe: str, cuda_capability: tuple[int, int] | 
                           f"this GPU is {cuda_capability[0]}.{cuda_capability[1]}: use rowwise or auto.")
 
 
+@torch.compiler.disable
+def _eager(gemm, *args):
+    return gemm(*args)
+
+
 class ScaledGroupedMM:
     """`(x_MK, w_GKN, offs_G) -> y_MN` through torchao's float8 grouped GEMM with dynamic scales."""
 
@@ -73,6 +78,13 @@ class ScaledGroupedMM:
         self.recipe, self.emulate = recipe, emulate
 
     def __call__(self, x_MK: torch.Tensor, w_GKN: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
+        if self.emulate:
+            # Inductor fails on torchao 0.18's MXFP8 emulation (an internal layout assertion, torch
+            # 2.13 CPU): under training.compile the emulated GEMMs run eagerly, the rest compiled.
+            return _eager(self._gemm, x_MK, w_GKN, offs_G)
+        return self._gemm(x_MK, w_GKN, offs_G)
+
+    def _gemm(self, x_MK: torch.Tensor, w_GKN: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
         # torchao's right operand is per-expert column-major (strides K*N, 1, K); plait stores each
         # expert's weight row-major so that x @ w needs no transpose: one copy here, read once by
         # the quantization that follows anyway.
