@@ -47,7 +47,7 @@ ALL = list(PACKAGES)
 # plait-mesh, its one dependency, where the package does not already have it.
 TEST_ONLY = {name: ["testing"] if "mesh" in deps or name == "mesh" else ["mesh", "testing"]
              for name, deps in PACKAGES.items() if name != "testing"}
-TEST_ONLY["pipelineparallel"].append("models")
+TEST_ONLY["pipelineparallel"] += ["models", "dataparallel"]
 TEST_ONLY["testing"] = []  # its plait-train helpers are exercised by the trainer's tests
 
 

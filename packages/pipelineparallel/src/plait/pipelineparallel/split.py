@@ -24,7 +24,7 @@ class Stage:
 
     index: int  # 0 .. num_stages-1, in forward order
     num_stages: int
-    module: nn.Module  # the pruned copy; run it as the whole model
+    module: nn.Module  # the pruned copy (split_stages) or a UserModelStage (split_user_model)
     blocks: list[str] = field(default_factory=list)  # its blocks' module paths (FSDP / AC / compile units)
     edge_units: list[list[str]] = field(default_factory=list)  # the edge-unit groups it holds
 
