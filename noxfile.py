@@ -48,6 +48,7 @@ ALL = list(PACKAGES)
 TEST_ONLY = {name: ["testing"] if "mesh" in deps or name == "mesh" else ["mesh", "testing"]
              for name, deps in PACKAGES.items() if name != "testing"}
 TEST_ONLY["pipelineparallel"] += ["models", "dataparallel"]
+TEST_ONLY["expertparallel"].append("dataparallel")  # FSDP x EP on transformers MoE models
 TEST_ONLY["testing"] = []  # its plait-train helpers are exercised by the trainer's tests
 
 

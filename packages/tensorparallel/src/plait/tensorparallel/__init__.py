@@ -12,7 +12,7 @@ from .config import TensorParallelConfig, TensorParallelConfigError, validate_te
 from .loss import loss_parallel_context
 from .plan import PLAN_STRINGS, apply_tensor_parallel, build_style, parse_plan_string, uses_loss_parallel
 
-__version__ = "0.1.0"
+__version__ = "0.1.1"
 
 __all__ = [
     "PLAN_STRINGS",

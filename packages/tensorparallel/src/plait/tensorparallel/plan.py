@@ -26,6 +26,7 @@ from .async_tp import enable_async_tp
 from .config import TensorParallelConfig, TensorParallelConfigError, check_async_tp
 from .styles import (
     ExpertsTensorParallel,
+    HeadNorm,
     RegionColwise,
     RegionInput,
     ReplicateCompute,
@@ -46,12 +47,13 @@ PLAN_STRINGS = {
     "prepare_input(name)) Shard(1) (SP) / Replicate -> Replicate",
     "moe_input_output": "opens a TP region like prepare_input (also (name)); output partial sum -> Shard(1) / Replicate",
     "replicate": "replicated weights, redundant compute inside a region (MLA latent path, router)",
+    "head_norm": "replicated weights on each local head inside a region (Qwen3 q_norm / k_norm); weight grad summed",
     "experts_tp": "routed grouped experts [E, in, out], hidden dim sharded (runs without expert parallel)",
 }
 
 _REGION_OPENERS = ("prepare_input", "moe_input_output")
 # Styles whose gradient convention only holds inside a region (see styles.py).
-_REGION_ONLY = ("colwise", "rowwise", "rowwise_partial", "replicate", "experts_tp")
+_REGION_ONLY = ("colwise", "rowwise", "rowwise_partial", "replicate", "head_norm", "experts_tp")
 # `style` or `style(argument)`: a region opener may name the argument that carries the hidden state.
 _PLAN_STRING = re.compile(r"(\w+)(?:\((\w+)\))?")
 
@@ -96,7 +98,8 @@ def build_style(plan_string: str, config: TensorParallelConfig, entry: str = "")
         "output_colwise": lambda: _output_colwise(stream, lp),
         "prepare_input": lambda: RegionInput(stream, argument=argument, entry=entry),
         "moe_input_output": lambda: RegionInput(stream, output_layout=stream, argument=argument, entry=entry),
-        "replicate": ReplicateCompute,
+        "replicate": lambda: ReplicateCompute(entry=entry),
+        "head_norm": HeadNorm,
         "experts_tp": ExpertsTensorParallel,
     }
     return builders[style]()
@@ -161,7 +164,14 @@ def check_plan(model: nn.Module, resolved: list, tp: int, external: Iterable[str
     regions = [path for path, s, _ in resolved if parse_plan_string(s)[0] in _REGION_OPENERS]
     for path, plan_string, module in resolved:
         _check_module(path, plan_string, module, tp)
-        if parse_plan_string(plan_string)[0] in _REGION_ONLY and not any(_under(path, r) and path != r for r in regions):
+        region = next((r for r in regions if _under(path, r) and path != r), None)
+        if plan_string == "sequence_parallel" and region is not None:
+            raise TensorParallelConfigError(
+                f"plan entry {path!r}: 'sequence_parallel' is for norms on the residual stream between blocks, "
+                f"but {path!r} sits inside the region {region!r}; mark it 'head_norm' if it acts on each local "
+                "head (a colwise output, e.g. q_norm / k_norm), 'replicate' if on an activation every rank holds whole."
+            )
+        if parse_plan_string(plan_string)[0] in _REGION_ONLY and region is None:
             raise TensorParallelConfigError(
                 f"plan entry {path!r}: {plan_string!r} must sit inside a module marked 'prepare_input' or "
                 "'moe_input_output' (that module converts the block's hidden state and reduces the partial "
@@ -237,7 +247,8 @@ def _check_coverage(model: nn.Module, resolved: list, external: Iterable[str]) -
         raise TensorParallelConfigError(
             f"parameter {name!r} is not covered by the tensor-parallel plan: under TP its gradient would be "
             f"wrong (a partial sum) or it would sit off the tp mesh. Add a plan entry for {owner!r} "
-            "('replicate' for weights every TP rank uses whole, or a sharding style), or list it in "
+            "('replicate' for weights every TP rank uses whole, 'head_norm' for a norm on each local head, or a "
+            "sharding style), or list it in "
             "TensorParallelConfig.external_modules if another package parallelises it."
         )
 

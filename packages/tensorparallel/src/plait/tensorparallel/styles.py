@@ -13,7 +13,10 @@ all-reduce otherwise). Every style inside a region keeps the rule:
 - `colwise` leaves its input gradient partial (no all-reduce per projection);
 - `replicate` (replicated weights, redundant compute) all-reduces its output gradient, computes
   its own backward on complete gradients (so its weight gradients are complete, Replicate), and
-  hands back its input gradient as a partial sum again.
+  hands back its input gradient as a partial sum again;
+- `head_norm` (replicated weights on each local head, e.g. Qwen3's `q_norm` on a `colwise`
+  output) leaves its input gradient as is (the heads are this rank's) and sums its weight
+  gradient over the TP ranks.
 
 Any mix of consumers then works with no knowledge of the model: MLA's shared rotary key (used by
 every local head), a router whose scores weight TP-partial expert outputs, shared experts.
@@ -26,6 +29,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, SequenceParallel
+
+from .call_checks import check_full_sequence, mark_local_heads, refuse_local_heads
 
 _PARTIAL = (Partial(),)
 _REPLICATE = (Replicate(),)
@@ -94,11 +99,12 @@ class RegionInput(ParallelStyle):
 
         def pre_hook(mod, args, kwargs):
             if self.argument is not None and self.argument in kwargs:
-                self._check_tensor(mod, kwargs[self.argument])
-                return args, {**kwargs, self.argument: enter(kwargs[self.argument])}
+                x, others = kwargs[self.argument], {k: v for k, v in kwargs.items() if k != self.argument}
+                self._check_tensor(mod, x, device_mesh, args, others)
+                return args, {**kwargs, self.argument: enter(x)}
             if position is None or len(args) <= position:
                 self._missing(mod, args, kwargs)
-            self._check_tensor(mod, args[position])
+            self._check_tensor(mod, args[position], device_mesh, (*args[:position], *args[position + 1 :]), kwargs)
             return (*args[:position], enter(args[position]), *args[position + 1 :]), kwargs
 
         module.register_forward_pre_hook(pre_hook, with_kwargs=True)
@@ -123,12 +129,14 @@ class RegionInput(ParallelStyle):
             "carries the hidden state."
         )
 
-    def _check_tensor(self, mod: nn.Module, x) -> None:
+    def _check_tensor(self, mod: nn.Module, x, mesh: DeviceMesh, other_args: tuple, other_kwargs: dict) -> None:
         if not isinstance(x, torch.Tensor):
             what = "the first positional argument" if self.argument is None else f"argument {self.argument!r}"
             raise TypeError(
                 f"{self._where(mod)} converts {what}, but got {type(x).__name__}, not the hidden-state tensor."
             )
+        if self.input_layout.is_shard(1) and not isinstance(x, DTensor) and x.ndim >= 2:
+            check_full_sequence(self.entry, x.shape[1], x.shape[1] * mesh.size(), other_args, other_kwargs)
 
     def __repr__(self) -> str:
         return (
@@ -138,7 +146,13 @@ class RegionInput(ParallelStyle):
 
 
 class RegionColwise(ColwiseParallel):
-    """`colwise` inside a region: weight Shard(0); the input gradient is left a partial sum."""
+    """`colwise` inside a region: weight Shard(0); the input gradient is left a partial sum; the
+    local output is tagged as this rank's heads (a `replicate` module refuses it, call_checks.py)."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        y = ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        return mark_local_heads(y)
 
     @staticmethod
     def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
@@ -162,11 +176,17 @@ class ReplicateCompute(ParallelStyle):
 
     Input: a replicated local tensor with partial-sum gradient. Output: the same. In backward the
     output gradient is all-reduced first, so the module's own backward (and its weight gradients)
-    sees complete gradients; its input gradient is split back into equal partial shares.
+    sees complete gradients; its input gradient is split back into equal partial shares. A `colwise`
+    output (this rank's heads) is refused: that is `head_norm`'s job.
     """
+
+    def __init__(self, entry: str = ""):
+        super().__init__()
+        self.entry = entry  # the plan entry (module path), for errors at call time
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def input_fn(mod, inputs, mesh):
+            refuse_local_heads(self.entry, "replicate", inputs)
             return tuple(
                 DTensor.from_local(x, mesh, _REPLICATE, run_check=False, grad_placements=_PARTIAL)
                 if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.is_floating_point()
@@ -253,6 +273,36 @@ class SequenceParallelNorm(SequenceParallel):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         module = super()._apply(module, device_mesh)
+        module._plait_replicates_grads = True  # apply_tensor_parallel re-hooks replaced parameters
+        hook_replicate_grads(module)
+        return module
+
+
+class HeadNorm(ParallelStyle):
+    """`head_norm`: replicated weights applied to each of this rank's heads (Qwen3's `q_norm` /
+    `k_norm`, RMSNorm over head_dim on a `colwise` output), computed locally, no communication.
+
+    The input is a local piece of the heads, so each rank's weight gradient sums over its own heads
+    only: the sum over TP ranks is the single-process gradient. DTensor is told the input is
+    Shard(0) (any dim but the normalised last one gives the same local compute), which makes the
+    weight gradient a Partial sum; it is reduced to Replicate as computed, as for
+    `SequenceParallelNorm` (FSDP, when applied, reduces it itself). Output: the local tensor, still
+    this rank's heads (tagged as a `colwise` output is).
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def input_fn(mod, inputs, mesh):
+            return tuple(
+                DTensor.from_local(x, mesh, (Shard(0),), run_check=False)
+                if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+                else x
+                for x in inputs
+            )
+
+        def output_fn(mod, outputs, mesh):
+            return _map_tensors(outputs, lambda y: mark_local_heads(y.to_local() if isinstance(y, DTensor) else y))
+
+        distribute_module(module, device_mesh, _replicate_params, input_fn, output_fn)
         module._plait_replicates_grads = True  # apply_tensor_parallel re-hooks replaced parameters
         hook_replicate_grads(module)
         return module
