@@ -129,3 +129,76 @@ def test_mtp_layers_and_rotary_buffers_are_dropped():
     hf_sd["model.layers.3.eh_proj.weight"] = torch.zeros(1)  # an MTP layer beyond n_layers
     hf_sd["model.rotary_emb.inv_freq"] = torch.zeros(1)
     assert set(adapter.from_hf(hf_sd, ARGS)) == set(model.state_dict())
+
+
+MTP_ARGS = dataclasses.replace(ARGS, n_layers=2, vocab_size=256, mtp_layers=2)
+
+
+def _mtp_model(args: ModelArgs) -> Transformer:
+    model = _plait_model(args)
+    with torch.no_grad():  # every norm and router bias non-trivial, so a swapped tensor shows
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(1.0, 0.2)
+        for mtp in model.mtp.values():
+            mtp.block.moe.router.expert_bias.normal_(0, 0.1)
+    return model
+
+
+def _logits(model: Transformer, tokens_BT: torch.Tensor, depths: int):
+    """Main logits and each MTP depth's, depth k reading the row shifted left by k."""
+    S = tokens_BT.shape[1] - depths
+    mtp_tokens_KBS = torch.stack([tokens_BT[:, k : k + S] for k in range(1, depths + 1)])
+    with torch.no_grad():
+        main_BSV, depth_logits = model(tokens_BT[:, :S], mtp_tokens=mtp_tokens_KBS)
+    return [main_BSV, *depth_logits]
+
+
+def test_mtp_depths_round_trip_in_the_release_naming(tmp_path):
+    from plait.models.hf.convert import check_matches_model, from_hf, load_plait_state_dict
+    from plait.models.hf.io import save_safetensors
+
+    args, N = MTP_ARGS, MTP_ARGS.n_layers
+    model = _mtp_model(args)
+    hf_sd = adapter.to_hf(model.state_dict(), args)
+    for k in range(args.mtp_layers):  # the released DeepSeek-V3 naming of depth k + 1
+        layer = f"model.layers.{N + k}"
+        for suffix in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+                       "self_attn.kv_a_proj_with_mqa.weight", "mlp.gate.e_score_correction_bias",
+                       "mlp.experts.7.down_proj.weight", "mlp.shared_experts.up_proj.weight"):
+            assert f"{layer}.{suffix}" in hf_sd, suffix
+        mtp = model.mtp[str(k)]
+        for hf_suffix, ours in [("enorm.weight", mtp.enorm.weight), ("hnorm.weight", mtp.hnorm.weight),
+                                ("eh_proj.weight", mtp.eh_proj.weight), ("shared_head.norm.weight", mtp.norm.weight),
+                                ("self_attn.kv_a_proj_with_mqa.weight", mtp.block.attention.wkv_a.weight),
+                                ("mlp.experts.7.down_proj.weight", mtp.block.moe.experts.w2[7].t())]:
+            assert torch.equal(hf_sd[f"{layer}.{hf_suffix}"], ours), hf_suffix  # [dim, 2 * dim]: HF's layout too
+        assert hf_sd[f"{layer}.embed_tokens.weight"] is hf_sd["model.embed_tokens.weight"]
+        assert hf_sd[f"{layer}.shared_head.head.weight"] is hf_sd["lm_head.weight"]
+    # A per-layer export converts subsets: one parameter at a time gives the same tensors.
+    one_by_one = {k: v for name, t in model.state_dict().items() for k, v in adapter.to_hf({name: t}, args).items()}
+    assert one_by_one.keys() == hf_sd.keys()
+
+    # Written sharded with config.json and imported by `plait-convert from-hf` (num_nextn_predict_layers).
+    save_safetensors(hf_sd, tmp_path / "hf", max_shard_size="200KB")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(adapter.hf_config(args)))
+    from_hf("deepseek_v3", None, str(tmp_path / "hf"), str(tmp_path / "model.pt"), None)
+    back = Transformer(args)
+    back.load_state_dict(load_plait_state_dict(tmp_path / "model.pt"), strict=True)
+    tokens_BT = torch.randint(0, args.vocab_size, (2, 16 + args.mtp_layers))
+    for got, want in zip(_logits(back, tokens_BT, 2), _logits(model, tokens_BT, 2), strict=True):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+    # A layer at a time (the trainer's import) gives the same plait tensors.
+    layer_of = {name: name.split(".")[2] if name.startswith("model.layers.") else "" for name in hf_sd}
+    by_layer = {}
+    for layer in set(layer_of.values()):
+        by_layer.update(adapter.from_hf({n: t for n, t in hf_sd.items() if layer_of[n] == layer}, args))
+    assert by_layer.keys() == model.state_dict().keys()
+
+    # Fewer depths than the checkpoint holds: the rest are dropped; more: one line naming a key.
+    one = dataclasses.replace(args, mtp_layers=1)
+    assert adapter.from_hf(hf_sd, one).keys() == Transformer(one).state_dict().keys()
+    no_mtp = {n: t for n, t in hf_sd.items() if not n.startswith(f"model.layers.{N}.")}
+    with pytest.raises(ValueError, match=r"does not match Transformer: missing mtp\.0\.\S+ \(and \d+ more\)\n"):
+        check_matches_model(adapter.from_hf(no_mtp, one), Transformer, one)

@@ -58,7 +58,7 @@ def test_128_blocks_with_partial_edges():
 ARGS = ModelArgs(vocab_size=128, dim=64, inter_dim=96, moe_inter_dim=48, n_layers=2, n_dense_layers=1, n_heads=4,
                  n_routed_experts=4, n_shared_experts=1, n_activated_experts=2, score_func="sigmoid",
                  q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-                 max_seq_len=64)
+                 max_seq_len=64, mtp_layers=1)  # the release's one MTP layer: quantised like the others
 
 
 def test_fp8_release_checkpoint_imports(tmp_path):
@@ -69,7 +69,8 @@ def test_fp8_release_checkpoint_imports(tmp_path):
     rows, cols = 32, 32  # the release's [128, 128] scaled down so the tiny model has several blocks
     written, expected = {}, {}
     for name, w in hf_sd.items():
-        # As released: the projections are FP8, norms / embeddings / router / head are not.
+        # As released: the projections are FP8 (the MTP layer's eh_proj and block too), norms /
+        # embeddings / router / head (and the MTP layer's copies of the last two) are not.
         if name.endswith("proj.weight") or ".experts." in name:
             q, s = quantize(w, rows, cols)
             written[name], written[name.replace(".weight", ".weight_scale_inv")] = q, s

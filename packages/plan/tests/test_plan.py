@@ -6,6 +6,7 @@ timed: benchmarks/plan_scale.py.)"""
 import json
 
 import pytest
+import torch
 
 from plait.plan import cli as plan_cli
 from plait.plan import planning
@@ -467,3 +468,31 @@ def test_float8_experts_are_planned_at_the_float8_peak(tmp_path, capsys):
     experts_flops = 2 * 64 * 6 * 3 * 256 * 256 * 3
     saved = experts_flops / 989e12 - experts_flops / 1979e12
     assert float8["compute_seconds"] == pytest.approx(bf16["compute_seconds"] - saved, rel=1e-6)
+
+
+def test_mtp_depths_are_planned(tmp_path, capsys):
+    """model.mtp_layers: the plan traces the depth's block, its shifted-token embedding and its pass
+    through the shared head (memory, collectives) and counts its FLOPs (the model's flops_per_token)."""
+    from plait.models.deepseek_v3 import ModelArgs, Transformer
+
+    flags = ["--job.dump_folder", str(tmp_path), *SMALL, "--model.name", "deepseek_v3", "--plan.world_size", "2",
+             "--parallelism.dp_shard", "2"]  # fmt: skip
+    reports = {}
+    for depths in ("0", "1"):
+        out = tmp_path / f"mtp{depths}.json"
+        assert plan_cli.main([*flags, "--model.mtp_layers", depths, "--plan.json", str(out)]) == 0
+        reports[depths] = json.loads(out.read_text())
+    capsys.readouterr()
+    none, one = reports["0"], reports["1"]
+    debug = dict(n_layers=2, max_seq_len=64)
+    expected = Transformer.flops_per_token  # per token, from the args alone
+    with torch.device("meta"):
+        ratio = expected(Transformer(ModelArgs(**debug, mtp_layers=1)), 64) / expected(Transformer(ModelArgs(**debug)), 64)
+    assert one["flops_per_rank"] == pytest.approx(none["flops_per_rank"] * ratio, rel=1e-9) and ratio > 1.3
+    assert one["memory"]["parameters"] > none["memory"]["parameters"]
+    assert one["memory"]["activations"] > none["memory"]["activations"]
+
+    def gathered(report):
+        return sum(c["bytes"] for c in report["communication"] if c["kind"] == "all_gather")
+
+    assert gathered(one) > gathered(none)

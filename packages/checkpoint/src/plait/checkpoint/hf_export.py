@@ -130,15 +130,19 @@ def check_hf_folder(path: str | Path, model: str, flavor: str, model_args=None):
         hf_args = spec.hf_adapter.args_from_hf_config(config)
     except (KeyError, ValueError) as e:
         raise store.CheckpointError(f"{where}: its config.json cannot be read as {model} ({e})") from None
-    # max_seq_len only sizes the RoPE tables; every other size must be the flavor's.
+    # max_seq_len only sizes the RoPE tables; the run chooses how many multi-token-prediction depths
+    # it trains (the folder's are loaded up to them; more than it holds fails as missing tensors)
+    # and their loss weight. Every other size must be the flavor's.
+    chosen = ("max_seq_len", "depth_init", "mtp_layers", "mtp_loss_scale")
+
     def same(a):
-        return dataclasses.replace(hf_args, max_seq_len=a.max_seq_len, depth_init=a.depth_init) == a
+        return dataclasses.replace(hf_args, **{f: getattr(a, f) for f in chosen if hasattr(a, f)}) == a
 
     if not same(args):
         match = next((name for name, a in spec.flavors.items() if same(a)), None)
         fix = f"set model.flavor = {match}" if match else "set model.flavor (or the model.* sizes) to match it"
         differ = [f.name for f in dataclasses.fields(args)
-                  if f.name not in ("max_seq_len", "depth_init") and getattr(hf_args, f.name) != getattr(args, f.name)]
+                  if f.name not in chosen and getattr(hf_args, f.name) != getattr(args, f.name)]
         raise store.CheckpointError(f"{where} is not {model} {flavor} (differs in {', '.join(differ[:6])}): {fix}")
     return spec, args, config
 

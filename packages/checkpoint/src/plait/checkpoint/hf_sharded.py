@@ -205,8 +205,8 @@ def load_hf_sharded(model: torch.nn.Module, path: str | Path, model_name: str, f
                 "disagree (a folder of another model, or a truncated config)"
             )
     for layer in sorted(groups):
-        if layer >= getattr(args, "n_layers", float("inf")):
-            continue  # DeepSeek's multi-token-prediction layers: not part of the model
+        if layer >= getattr(args, "n_layers", float("inf")) + getattr(args, "mtp_layers", 0):
+            continue  # DeepSeek's multi-token-prediction layers past the depths this run trains
         # Tensors the adapter only renames are read as this rank's slices alone; the others
         # (permuted rows, stacked experts, FP8) whole, one layer at a time.
         renamed = {n: _renamed_to(spec.hf_adapter, args, n, files) for n in groups[layer]}

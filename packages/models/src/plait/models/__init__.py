@@ -2,6 +2,6 @@
 
 from plait.models.registry import ModelSpec, build_model, get_model_args, get_model_spec, list_models, model_args_dict
 
-__version__ = "0.1.0"
+__version__ = "0.1.1"
 
 __all__ = ["ModelSpec", "build_model", "get_model_args", "get_model_spec", "list_models", "model_args_dict"]

@@ -63,7 +63,7 @@ def stage_batch(config, trainer, documents_per_row: int) -> StageBatch:
     with unset_fake_temporarily():
         tokens, labels, documents = micro_batch(dataclasses.replace(config, training=merged),
                                                 documents_per_row=documents_per_row)
-    inputs_BS, labels_BS, positions, documents_BS = trainer.local_batch(tokens, labels, documents)
+    inputs_BS, labels_BS, positions, documents_BS, _ = trainer.local_batch(tokens, labels, documents)
     rows = p.pipeline_microbatch_size
     kwargs = {}
     if positions is not None:

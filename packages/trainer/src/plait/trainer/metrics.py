@@ -157,7 +157,8 @@ class MetricsLogger:
         rank (MoE load imbalance per layer, drops, host syncs), scalars or 1-D tensors."""
         w = self.window
         w.steps.append(step)
-        w.losses.append(loss.detach().float().reshape(()))
+        # [1 + K] under multi-token prediction: the main loss, then each depth's.
+        w.losses.append(loss.detach().float().reshape(-1))
         w.grad_norms.append(grad_norm.detach().float().reshape(()).to(loss.device))
         w.lrs.append(lr)
         w.data_s.append(data_s)
@@ -169,7 +170,7 @@ class MetricsLogger:
         w = self.window
         if not w.steps:
             return True
-        finite = torch.isfinite(torch.stack(w.losses + w.grad_norms)).all().float().reshape(1)
+        finite = torch.isfinite(torch.cat(w.losses + [g.reshape(1) for g in w.grad_norms])).all().float().reshape(1)
         if dist.is_initialized():
             dist.all_reduce(finite, op=dist.ReduceOp.MIN)
         return bool(finite.item())
@@ -219,14 +220,18 @@ class MetricsLogger:
     def _to_host(self, w: _Window) -> tuple[list[list[float]], list[dict]]:
         """The window's losses (averaged over the loss mesh), grad norms and extras on the host: the
         flush's host sync."""
-        losses = torch.stack(w.losses)
+        losses = torch.stack(w.losses)  # [steps, 1 + K]
         if self.loss_mesh is not None:
             # The one collective of a log step: the mean loss over every rank that saw different data.
             # (SUM then divide: gloo has no AVG.)
             dist.all_reduce(losses, op=dist.ReduceOp.SUM, group=self.loss_mesh.get_group())
             losses = losses / self.loss_mesh.size()
-        values = torch.stack([losses, torch.stack(w.grad_norms)]).cpu().tolist()
-        return values, _extras_to_host(w.extras, losses.device)
+        values = torch.cat([losses, torch.stack(w.grad_norms)[:, None]], 1).t().cpu().tolist()
+        extras = _extras_to_host(w.extras, losses.device)
+        for i, row in enumerate(extras):  # multi-token prediction: each depth's loss, by depth
+            if len(values) > 2:
+                row["mtp_loss"] = [depth[i] for depth in values[1:-1]]
+        return [values[0], values[-1]], extras
 
     def _write(self, rows: list[dict]) -> None:
         with self._writing():
@@ -255,6 +260,8 @@ class MetricsLogger:
             line += f"  moe max/mean {max(last['moe_imbalance']):.2f}"
         if "moe_ep_imbalance" in last:
             line += f" (ep rank {max(last['moe_ep_imbalance']):.2f})"
+        if "mtp_loss" in last:
+            line += "  mtp " + " ".join(f"{loss:.4f}" for loss in last["mtp_loss"])
         if self.bar is not None:
             self.bar.update(len(rows))
             self.bar.set_postfix(loss=f"{last['loss']:.4f}", refresh=False)

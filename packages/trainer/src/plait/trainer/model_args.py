@@ -26,10 +26,12 @@ _AT_LEAST = {
     "q_lora_rank": (0, True),  # 0: no low-rank query path
     "kv_lora_rank": (1, True), "qk_nope_head_dim": (0, True), "qk_rope_head_dim": (2, True),
     "v_head_dim": (1, True), "original_seq_len": (1, True),
+    "mtp_layers": (0, True),  # 0: no multi-token prediction
     # numerics
     "norm_eps": (0, False), "rope_theta": (0, False), "ffn_dim_multiplier": (0, False),
     "route_scale": (0, False), "aux_loss_coeff": (0, True), "load_balance_coeff": (0, True),
     "rope_factor": (0, False), "mscale": (0, True), "beta_fast": (0, False), "beta_slow": (0, False),
+    "mtp_loss_scale": (0, True),
 }
 
 

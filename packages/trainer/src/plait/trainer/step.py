@@ -17,8 +17,7 @@ from plait.models.documents import MIN_DOCUMENTS_PER_ROW, documents_capacity, ro
 
 from .config import ConfigError
 from .float8 import after_optimizer_step
-
-IGNORE_INDEX = -100
+from .mtp import IGNORE_INDEX, depth_losses, mtp_depths, shifted_rows
 
 
 def cross_entropy_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
@@ -52,10 +51,11 @@ class StepRunner:
     _documents_capacity = MIN_DOCUMENTS_PER_ROW
 
     def local_batch(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, document_positions_BS=None):
-        """(tokens, labels, RoPE positions, document positions) this rank computes: under context
-        parallel its share of every sequence in the load-balanced order, with the positions of those
-        tokens (global, or per document); the document positions stay whole rows (attention reads
-        every boundary), and only under attention_mask = "document"."""
+        """(tokens, labels, RoPE positions, document positions, MTP rows) this rank computes: under
+        context parallel its share of every sequence in the load-balanced order, with the positions
+        of those tokens (global, or per document); the document positions stay whole rows (attention
+        reads every boundary), and only under attention_mask = "document". MTP rows (model.mtp_layers,
+        else None): (tokens_KBS, labels_KBS) of every depth, shifted on whole rows then split alike."""
         inputs_BS = inputs_BS.to(self.device, non_blocking=True)
         labels_BS = labels_BS.to(self.device, non_blocking=True)
         documents = None
@@ -63,24 +63,30 @@ class StepRunner:
             # Room for this batch too, when no step read it first (a planner's traced step).
             self._documents_capacity = documents_capacity(row_segments(document_positions_BS), self._documents_capacity)
             documents = to_device_with_segments(document_positions_BS, self.device, self._documents_capacity)
+        depths = mtp_depths(self.plan.model_args)
+        mtp = shifted_rows(inputs_BS, labels_BS, depths, documents) if depths else None
         layout = self.pm.cp_layout
         if layout is None:
             # A later pipeline stage receives hidden states, sequence-sharded under sequence
             # parallel: it cannot size RoPE from them, so every stage gets the positions.
             positions = torch.arange(inputs_BS.shape[1], device=self.device) if self.pipeline is not None else None
-            return inputs_BS, labels_BS, positions, documents
+            return inputs_BS, labels_BS, positions, documents, mtp
         from plait.contextparallel import shard_batch, shard_sequence
 
         cp_rank = self.meshes.cp.get_local_rank()
         tokens, labels, positions = shard_batch(inputs_BS, labels_BS, cp_rank, layout)
         if documents is not None and self.plan.model_args.rope_positions == "document":
             positions = shard_sequence(documents, 1, cp_rank, layout)
-        return tokens, labels, positions, documents
+        if mtp is not None:
+            mtp = tuple(shard_sequence(rows_KBS, 2, cp_rank, layout) for rows_KBS in mtp)
+        return tokens, labels, positions, documents, mtp
 
-    def forward(self, tokens_BS, positions, documents_BS):
+    def forward(self, tokens_BS, positions, documents_BS, mtp=None):
+        """The model's logits; with MTP rows, (logits, [logits of each depth])."""
+        extra = {} if mtp is None else {"mtp_tokens": mtp[0]}
         if documents_BS is None:  # causal: the two-argument call every model takes
-            return self.model(tokens_BS, positions)
-        return self.model(tokens_BS, positions, documents_BS)
+            return self.model(tokens_BS, positions, **extra)
+        return self.model(tokens_BS, positions, documents_BS, **extra)
 
     def read_documents(self, micro_batches) -> None:
         """Under attention_mask = "document": read each micro-batch's segments on the host from the
@@ -103,8 +109,9 @@ class StepRunner:
                     )
 
     def _global_token_count(self, labels: list[torch.Tensor]) -> torch.Tensor:
-        """Valid labels over every micro-batch and every dp x cp rank (one all-reduce, no host sync)."""
-        count = torch.stack([(lab != IGNORE_INDEX).sum() for lab in labels]).sum().float()
+        """Valid labels over every micro-batch and every dp x cp rank (one all-reduce, no host sync).
+        Labels [K, B, S] (MTP: main and each depth) count per leading index: a [K] count."""
+        count = torch.stack([(lab != IGNORE_INDEX).flatten(-2).sum(-1) for lab in labels]).sum(0).float()
         if self.meshes.dp_cp is not None:
             dist.all_reduce(count, group=self.meshes.dp_cp.get_group())
         return count.clamp(min=1.0)
@@ -127,9 +134,14 @@ class StepRunner:
 
     def _loss_scale(self, labels: list[torch.Tensor]) -> torch.Tensor:
         """ranks / valid tokens of the global batch: scaling each rank's loss sum by it makes the
-        step's gradient the mean over every valid token (data parallel averages over dp x cp)."""
+        step's gradient the mean over every valid token (data parallel averages over dp x cp).
+        Labels [1 + K, B, S] (main and each MTP depth's): one scale per loss, one all-reduce."""
         ranks = self.meshes.dp_cp.size() if self.meshes.dp_cp is not None else 1
         return ranks / self._global_token_count(labels)
+
+    @staticmethod
+    def _all_labels(labels_BS: torch.Tensor, mtp) -> torch.Tensor:
+        return labels_BS[None] if mtp is None else torch.cat([labels_BS[None], mtp[1]])
 
     def _update(self) -> torch.Tensor:
         """Clip (over every mesh, and every stage under pp), step, schedule; the gradient norm."""
@@ -147,7 +159,7 @@ class StepRunner:
         """One step under pipeline parallel: the local batch (the accumulation micro-batches
         merged, see pipeline.merge_micro_batches) through the schedule; the loss, reported once from
         the last stage, summed over the pp ranks (the others contribute 0)."""
-        (inputs_BS, labels_BS, positions, documents_BS), = [self.local_batch(*mb) for mb in micro_batches]
+        (inputs_BS, labels_BS, positions, documents_BS, _), = [self.local_batch(*mb) for mb in micro_batches]
         scale = self._loss_scale([labels_BS])
         autocast = self.pm.autocast or contextlib.nullcontext()
         with self.loss_context(), autocast:
@@ -164,23 +176,30 @@ class StepRunner:
         if self.pipeline is not None:
             return self._pipeline_step(micro_batches)
         accumulation = len(micro_batches)
-        step_loss = torch.zeros((), device=self.device)
         autocast = self.pm.autocast or contextlib.nullcontext()
         # A micro-batch is (inputs, labels, document_positions).
         batches = [self.local_batch(*micro_batch) for micro_batch in micro_batches]
         # Data parallel averages gradients over the dp x cp ranks; scaling each rank's loss sum by
         # ranks / (valid tokens of the global batch) makes the step's gradient the mean over every
         # valid token, however they are split over ranks, micro-batches and ignored labels.
-        scale = self._loss_scale([labels for _, labels, _, _ in batches])
-        for inputs_BS, labels_BS, positions, documents_BS in batches:
+        scales = self._loss_scale([self._all_labels(labels, mtp) for _, labels, _, _, mtp in batches])
+        depths = mtp_depths(self.plan.model_args)
+        # The main loss, then each MTP depth's (logged; the step optimises main + scale x their mean).
+        step_losses = torch.zeros(1 + depths, device=self.device)
+        for inputs_BS, labels_BS, positions, documents_BS, mtp in batches:
             with self.loss_context():
                 with autocast:
-                    logits_BSV = self.forward(inputs_BS, positions, documents_BS)
-                    loss = self.loss_fn(logits_BSV, labels_BS) * scale
-                    total = loss + self._aux(loss, accumulation) if self.moe and self.moe.aux_enabled else loss
+                    out = self.forward(inputs_BS, positions, documents_BS, mtp)
+                    logits_BSV, depth_logits = out if mtp is not None else (out, [])
+                    losses = [self.loss_fn(logits_BSV, labels_BS) * scales[0]]
+                    if mtp is not None:
+                        losses += depth_losses(self.loss_fn, depth_logits, mtp[1], scales[1:])
+                    total = losses[0] + sum(losses[1:]) * (self.plan.model_args.mtp_loss_scale / depths) \
+                        if depths else losses[0]
+                    if self.moe and self.moe.aux_enabled:
+                        total = total + self._aux(losses[0], accumulation)
                 total.backward()
-            detached = loss.detach()
-            if isinstance(detached, DTensor):
-                detached = detached.full_tensor()
-            step_loss += detached
-        return step_loss, self._update()
+            for i, loss in enumerate(losses):
+                detached = loss.detach()
+                step_losses[i] += detached.full_tensor() if isinstance(detached, DTensor) else detached
+        return (step_losses if depths else step_losses[0]), self._update()

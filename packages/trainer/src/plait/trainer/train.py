@@ -146,7 +146,7 @@ class Trainer:
                 micro_batches = merge_micro_batches(micro_batches)
             self._read_documents(micro_batches)
             for micro_batch in micro_batches:
-                inputs_BS, labels_BS, positions, documents_BS = self.runner.local_batch(*micro_batch)
+                inputs_BS, labels_BS, positions, documents_BS, _ = self.runner.local_batch(*micro_batch)
                 with self.runner.loss_context(), autocast:
                     if self.pipeline is not None:  # the loss sum on the last stage's rank, else None
                         loss = self.pipeline.eval_step(

@@ -257,6 +257,9 @@ def validate(config: Config, world_size: int | None = None, check_memory: bool =
     spec = model_spec(config)
     model_args = resolve_model_args(config, spec)
     _check_seq_len(config, model_args)
+    if getattr(model_args, "mtp_layers", 0) and dims.pp > 1:
+        raise ConfigError(f"model.mtp_layers = {model_args.mtp_layers} with parallelism.pp = {dims.pp}: multi-token "
+                          "prediction does not run under pipeline parallel yet; set pp = 1 or model.mtp_layers = 0.")
     _check_data_parallel(config, dims)
     check_data(config, read_sources=need_data)
     _check_hf_weights(config, model_args)

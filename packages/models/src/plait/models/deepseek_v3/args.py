@@ -1,5 +1,6 @@
 """DeepSeek-V2/V3 hyperparameters as one plain dataclass (what a flavor is, what a config overrides)."""
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -68,6 +69,12 @@ class ModelArgs:
     # Softmax-scale correction: scale *= (0.1 * mscale * ln(rope_factor) + 1) ** 2 under YaRN.
     mscale: float = 1.0
 
+    # ---- Multi-token prediction (DeepSeek-V3 section 2.2) ----
+    # Depths after the last block, each predicting one token further ahead (mtp.py); 0: none.
+    mtp_layers: int = 0
+    # The trainer's loss: main + mtp_loss_scale x the mean of the depths' losses (DeepSeek-V3: 0.1).
+    mtp_loss_scale: float = 0.1
+
     # Scale each block's output-projection init std by its depth (torchtitan) instead of n_layers.
     depth_init: bool = True
     # "document": a packed row's documents never attend to each other (block-diagonal causal); the
@@ -87,6 +94,10 @@ class ModelArgs:
             raise ValueError("n_activated_experts exceeds n_routed_experts")
         if self.n_routed_experts % self.n_expert_groups:
             raise ValueError("n_routed_experts must be divisible by n_expert_groups")
+        if self.mtp_layers < 0:
+            raise ValueError(f"mtp_layers {self.mtp_layers} is negative: 0 turns multi-token prediction off")
+        if not math.isfinite(self.mtp_loss_scale) or self.mtp_loss_scale < 0:
+            raise ValueError(f"mtp_loss_scale {self.mtp_loss_scale} must be finite and >= 0")
         if self.qk_rope_head_dim % 2:
             raise ValueError("qk_rope_head_dim must be even for RoPE")
 

@@ -4,7 +4,7 @@ token-choice MoE blocks with shared experts and auxiliary-loss-free load balanci
 Plain single-device PyTorch. Parallelism is applied from outside using the data that
 `Transformer.parallel_info()` returns (docs/contracts.md); shapes are inferred from tensors so
 tensor parallel's local head counts and expert parallel's local experts work unchanged.
-Multi-token prediction (MTP) is not included.
+Multi-token prediction (`mtp_layers` depths after the last block) is mtp.py.
 """
 
 import torch
@@ -13,6 +13,7 @@ from torch import nn
 from plait.models.common import INIT_STD, ScaledDotProductAttention
 from plait.models.cpu_bf16 import Linear
 from plait.models.deepseek_v3.args import ModelArgs
+from plait.models.deepseek_v3.mtp import MultiTokenPrediction
 from plait.models.deepseek_v3.rope import rope_tables, softmax_scale
 from plait.models.documents import attention_inputs, offsets_of
 from plait.models.llama3.rope import apply_rope, rope_at
@@ -165,6 +166,11 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = Linear(args.dim, args.vocab_size, bias=False)
+        # Depth k's block is layer n_layers + k - 1 (the released weights' numbering).
+        self.mtp = nn.ModuleDict({
+            str(k): MultiTokenPrediction(args.dim, args.norm_eps, TransformerBlock(args.n_layers + k, args))
+            for k in range(args.mtp_layers)
+        }) if args.mtp_layers else None  # fmt: skip
         # Non-persistent: derived from args; init_weights recomputes them after a meta build.
         rope_cos_LK, rope_sin_LK = rope_tables(args)
         self.register_buffer("rope_cos", rope_cos_LK, persistent=False)
@@ -175,12 +181,22 @@ class Transformer(nn.Module):
         tokens: torch.Tensor,
         positions: torch.Tensor | None = None,
         document_positions: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        mtp_tokens: torch.Tensor | None = None,
+    ):
         """tokens [B, S] int64, positions [S] or [B, S] int64, document_positions [B, S] int32 of the
         full rows (plait.models.documents; needed by attention_mask / rope_positions = "document")
-        -> logits [B, S, V]. positions default: arange(S), or the document positions."""
+        -> logits [B, S, V]. positions default: arange(S), or the document positions.
+
+        mtp_tokens [K, B, S] int64 (K <= mtp_layers): depth k's input tokens, the row shifted by k
+        (the trainer shifts whole rows before context parallel splits them). Then the result is
+        (logits [B, S, V], [logits of depth 1, ..., K]); without them, the main logits alone."""
+        depths = 0 if mtp_tokens is None or self.mtp is None else mtp_tokens.shape[0]
         # A pipeline stage without the embedding receives hidden states [B, S, D] instead of tokens.
-        h_BSD = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if self.tok_embeddings is None:
+            h_BSD, embedded = tokens, []
+        else:  # one embedding call for the row and every depth's shifted row (one FSDP gather)
+            rows = torch.cat([tokens[None], mtp_tokens[:depths]]).flatten(0, 1) if depths else tokens
+            h_BSD, *embedded = self.tok_embeddings(rows).chunk(1 + depths)
         positions, mask_positions_BS = attention_inputs(
             self.args.attention_mask, self.args.rope_positions, tokens, positions, document_positions
         )
@@ -190,8 +206,18 @@ class Transformer(nn.Module):
         rope_cos, rope_sin = rope_at(self.rope_cos, self.rope_sin, positions)
         for layer in self.layers.values():
             h_BSD = layer(h_BSD, rope_cos, rope_sin, mask_positions_BS, mask_offsets)
-        h_BSD = self.norm(h_BSD) if self.norm is not None else h_BSD
-        return self.output(h_BSD) if self.output is not None else h_BSD
+        if self.norm is None:
+            return h_BSD
+        heads = [self.norm(h_BSD)]
+        for mtp, embedded_BSD in zip(list(self.mtp.values())[:depths] if depths else [], embedded):
+            h_BSD = mtp(h_BSD, embedded_BSD, rope_cos, rope_sin, mask_positions_BS, mask_offsets)
+            heads.append(mtp.norm(h_BSD))
+        # One call of the shared output head for every depth (one FSDP gather, one TP region).
+        logits = self.output(torch.cat(heads) if depths else heads[0])
+        if not depths:
+            return logits
+        main_BSV, *depth_logits = logits.chunk(1 + depths)
+        return main_BSV, depth_logits
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
@@ -207,6 +233,8 @@ class Transformer(nn.Module):
             nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=1.0)
         for layer in self.layers.values():
             layer.init_weights()
+        for mtp in (self.mtp or {}).values():
+            mtp.init_weights()
         if self.norm is not None:
             nn.init.ones_(self.norm.weight)
         if self.output is not None:
@@ -216,18 +244,24 @@ class Transformer(nn.Module):
     def parallel_info(self) -> dict:
         """Blocks, tensor-parallel plan, experts and CP metadata as plain data (docs/contracts.md)."""
         blocks = [f"layers.{name}" for name in self.layers]
+        # Each MTP depth is one more block (an FSDP / AC / compile unit) whose transformer block
+        # sits under `.block`.
+        mtp_depths = [f"mtp.{name}" for name in self.mtp or {}]
+        transformer_blocks = {**dict(zip(blocks, self.layers.values())),
+                              **{f"{d}.block": m.block for d, m in zip(mtp_depths, (self.mtp or {}).values())}}
         return {
-            "blocks": blocks,
+            "blocks": blocks + mtp_depths,
+            "mtp_blocks": mtp_depths,
             "tp_plan": self._tp_plan(),
-            "experts": [f"{b}.moe.experts" for b, layer in zip(blocks, self.layers.values()) if layer.is_moe],
+            "experts": [f"{b}.moe.experts" for b, layer in transformer_blocks.items() if layer.is_moe],
             # The module each MoE runs after its experts and before it first uses their output: expert
             # parallel overlaps the combine all-to-all with it, forward and backward.
             "expert_overlap": {
                 f"{b}.moe.experts": f"{b}.moe.shared_experts"
-                for b, layer in zip(blocks, self.layers.values())
+                for b, layer in transformer_blocks.items()
                 if layer.is_moe and layer.moe.shared_experts is not None
             },
-            "attention_modules": [f"{block}.attention.sdpa" for block in blocks],
+            "attention_modules": [f"{block}.attention.sdpa" for block in transformer_blocks],
             # FSDP units outside the blocks, in forward order: the embedding (resharded once used) and
             # the output head.
             "edge_units": [["tok_embeddings"], ["norm", "output"]],
@@ -252,10 +286,24 @@ class Transformer(nn.Module):
                 "layers.*.attention.q_norm": "replicate",
                 "layers.*.attention.wq_b": "colwise",
             }
+        block_plan = self._block_tp_plan(q_plan)
+        # An MTP depth's norms and projection act on each token alone: on sequence shards under SP
+        # (replicated weights, gradients reduced), like the block norms; its block as the others.
+        mtp_plan = {"mtp.*.enorm": "sequence_parallel", "mtp.*.hnorm": "sequence_parallel",
+                    "mtp.*.eh_proj": "sequence_parallel", "mtp.*.norm": "sequence_parallel",
+                    **{key.replace("layers.*.", "mtp.*.block.", 1): style for key, style in block_plan.items()
+                       if ".feed_forward" not in key}}  # an MTP block is past n_dense_layers: MoE
         return {
             "tok_embeddings": "embedding_rowwise",
             "norm": "sequence_parallel",
             "output": "output_colwise",
+            **block_plan,
+            **(mtp_plan if self.mtp is not None else {}),
+        }
+
+    @staticmethod
+    def _block_tp_plan(q_plan: dict) -> dict:
+        return {
             "layers.*.attention_norm": "sequence_parallel",
             "layers.*.attention": "prepare_input",
             **q_plan,
@@ -297,8 +345,10 @@ class Transformer(nn.Module):
         dense_ffn = 3 * a.dim * a.inter_dim
         expert = 3 * a.dim * a.moe_inter_dim
         moe_fixed = a.dim * a.n_routed_experts + a.n_shared_experts * expert  # gate + shared
-        n_moe = a.n_layers - a.n_dense_layers
-        fixed = a.n_layers * attention + a.n_dense_layers * dense_ffn + n_moe * moe_fixed
+        # MTP depths: an MoE block each (past n_dense_layers), enorm, hnorm, eh_proj and a norm.
+        n_moe = a.n_layers - a.n_dense_layers + a.mtp_layers
+        fixed = (a.n_layers + a.mtp_layers) * attention + a.n_dense_layers * dense_ffn + n_moe * moe_fixed
+        fixed += a.mtp_layers * (2 * a.dim * a.dim + 3 * a.dim)
         fixed += 2 * a.vocab_size * a.dim + a.dim  # embedding, output, final norm
         total = fixed + n_moe * a.n_routed_experts * expert
         active = fixed + n_moe * a.n_activated_experts * expert
@@ -313,6 +363,7 @@ class Transformer(nn.Module):
         """
         a = self.args
         _, active = self.param_counts()
-        non_embedding = active - a.vocab_size * a.dim
-        attention = 6 * a.n_layers * a.n_heads * (a.qk_head_dim + a.v_head_dim) * seq_len
+        # Each MTP depth runs the shared output head once more.
+        non_embedding = active - a.vocab_size * a.dim + a.mtp_layers * a.vocab_size * a.dim
+        attention = 6 * (a.n_layers + a.mtp_layers) * a.n_heads * (a.qk_head_dim + a.v_head_dim) * seq_len
         return 6 * non_embedding + attention

@@ -18,6 +18,10 @@ An adapter is a module (e.g. `plait.models.hf.llama3`, `plait.models.hf.deepseek
         The inverse: plait args from a parsed `config.json`. Raises ValueError for a config the
         plait model cannot represent (biases, another activation, ...).
 
+Both conversions also take a subset of the state dict holding whole layers (the trainer converts
+a layer at a time), so a tensor HF stores twice (DeepSeek-V3's multi-token-prediction layers
+repeat the embedding and the head) is written by the call that converts the original.
+
 Conversions are pure functions on CPU tensors (no I/O, no dtype change): `plait.models.hf.io`
 reads and writes the files, and `plait.models.hf.convert` composes the two.
 """

@@ -32,6 +32,8 @@ from plait.models.hf.io import (
 from plait.models.registry import get_model_args, get_model_spec, list_models
 
 PLAIT_PT_FILE = "model.pt"
+# Model args a checkpoint does not fix (DeepSeek-V3's MTP depths and loss weight).
+_TRAINING_CHOICES = ("mtp_layers", "mtp_loss_scale")
 
 
 def load_plait_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
@@ -69,8 +71,11 @@ def check_matches_model(state_dict: dict[str, torch.Tensor], model_cls: type, ar
     problems += [f"unexpected {k}" for k in got.keys() - expected.keys()]
     problems += [f"{k}: shape {got[k]} != {expected[k]}" for k in expected.keys() & got.keys() if got[k] != expected[k]]
     if problems:
-        shown = "\n  ".join(sorted(problems)[:20])
-        raise ValueError(f"state dict does not match {model_cls.__name__}({args}):\n  {shown}")
+        # The first line names a key (callers that keep one line keep it); the rest list up to 20.
+        problems.sort()
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        shown = "\n  ".join(problems[:20])
+        raise ValueError(f"state dict does not match {model_cls.__name__}: {problems[0]}{more}\n  {args}\n  {shown}")
 
 
 def _parse_overrides(pairs: list[str], args_cls: type) -> dict:
@@ -112,6 +117,9 @@ def from_hf(model: str, flavor: str | None, input: str, output: str, dtype: torc
     args = spec.hf_adapter.args_from_hf_config(config)
     if flavor is not None:
         expected = spec.flavors[flavor]
+        # How many multi-token-prediction depths to train is the flavor's choice: fewer than the
+        # checkpoint holds drops the rest, more fails below naming a missing key.
+        args = dataclasses.replace(args, **{f: getattr(expected, f) for f in _TRAINING_CHOICES if hasattr(args, f)})
         # max_seq_len only sizes the RoPE tables; everything else must be the flavor's.
         if dataclasses.replace(args, max_seq_len=expected.max_seq_len, depth_init=expected.depth_init) != expected:
             raise SystemExit(f"{input}/config.json is not flavor {flavor!r}:\n  {args}\n  != {expected}")

@@ -8,7 +8,16 @@ Layout differences:
 - RoPE: DeepSeek rotates interleaved pairs like plait (`rope_interleave=True`, the default of
   every released checkpoint), so no rows move. A `rope_interleave=False` export is turned into
   the interleaved layout by permuting the rotary rows of the q and shared-k projections.
-- Multi-token-prediction layers (index >= num_hidden_layers) and rotary buffers are dropped.
+- Multi-token prediction: the release stores depth k as one more decoder layer,
+  `model.layers.{num_hidden_layers + k}` (`num_nextn_predict_layers` of them), holding a whole
+  decoder layer (-> `mtp.{k}.block`, converted like any layer: experts, FP8, rotary rows) plus
+  `enorm`, `hnorm`, `eh_proj` (nn.Linear(2*dim, dim): `[dim, 2*dim]` applied to
+  [enorm(emb); hnorm(h)], plait's order and layout), `shared_head.norm` (-> `mtp.{k}.norm`) and
+  copies of the shared embedding and head (`embed_tokens`, `shared_head.head`). Import ignores
+  the copies (plait shares `tok_embeddings` / `output`) and drops depths past `args.mtp_layers`
+  (all of them when it is 0); export writes the copies wherever it writes the shared tensors, so a
+  per-layer export (any subset of the state dict) still produces the release's naming.
+- Rotary buffers (`rotary_emb.inv_freq`) are dropped.
 HF's DeepseekV3 always scores experts with a sigmoid, so softmax-routed (V2-style) args cannot
 be exported as this architecture.
 """
@@ -49,22 +58,35 @@ _PER_LAYER = {
 }
 # plait stacked expert weight -> HF per-expert projection name.
 _EXPERTS = {"moe.experts.w1": "gate_proj", "moe.experts.w2": "down_proj", "moe.experts.w3": "up_proj"}
+# What an MTP depth adds to its decoder layer (plait suffix under mtp.{k} -> HF under model.layers.{N + k}).
+_MTP_OWN = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "norm.weight": "shared_head.norm.weight",
+}
+# The release repeats the shared embedding and head in each MTP layer: plait name -> copy's suffix.
+_MTP_COPIES = {"tok_embeddings.weight": "embed_tokens.weight", "output.weight": "shared_head.head.weight"}
 _PLAIT_LAYER_KEY = re.compile(r"layers\.(\d+)\.(.+)")
+_PLAIT_MTP_KEY = re.compile(r"mtp\.(\d+)\.(.+)")
 _HF_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _HF_EXPERT_KEY = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 _HF_IGNORED = re.compile(r".*rotary_emb\.inv_freq")
 
 
 def to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """plait -> HF names and layouts; works on any subset of the state dict (per-layer export)."""
     hf_state_dict = {}
     for name, tensor in state_dict.items():
         if name in _TOP_LEVEL:
             hf_state_dict[_TOP_LEVEL[name]] = tensor
+            for k in range(args.mtp_layers) if name in _MTP_COPIES else ():
+                hf_state_dict[f"model.layers.{args.n_layers + k}.{_MTP_COPIES[name]}"] = tensor
             continue
-        match = _PLAIT_LAYER_KEY.fullmatch(name)
-        if match is None:
-            raise KeyError(f"no HF name for plait parameter {name!r}")
-        layer, suffix = match.groups()
+        if (mtp := _PLAIT_MTP_KEY.fullmatch(name)) and mtp.group(2) in _MTP_OWN:  # enorm, hnorm, eh_proj, norm
+            hf_state_dict[f"model.layers.{args.n_layers + int(mtp.group(1))}.{_MTP_OWN[mtp.group(2)]}"] = tensor
+            continue
+        layer, suffix = _hf_layer_of(name, args)
         prefix = f"model.layers.{layer}"
         if suffix in _PER_LAYER:
             hf_state_dict[f"{prefix}.{_PER_LAYER[suffix]}"] = tensor
@@ -75,6 +97,16 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, tor
         else:
             raise KeyError(f"no HF name for plait parameter {name!r}")
     return hf_state_dict
+
+
+def _hf_layer_of(name: str, args: ModelArgs) -> tuple[int, str]:
+    """The HF layer index of a block parameter (`layers.{i}.*`, or MTP depth k's `mtp.{k}.block.*`:
+    layer n_layers + k) and its suffix inside the block."""
+    if match := _PLAIT_LAYER_KEY.fullmatch(name):
+        return int(match.group(1)), match.group(2)
+    if (match := _PLAIT_MTP_KEY.fullmatch(name)) and match.group(2).startswith("block."):
+        return args.n_layers + int(match.group(1)), match.group(2).removeprefix("block.")
+    raise KeyError(f"no HF name for plait parameter {name!r}")
 
 
 def _rope_rows_to_interleaved(w_OI: torch.Tensor, args: ModelArgs, per_head: bool) -> torch.Tensor:
@@ -89,12 +121,26 @@ def _rope_rows_to_interleaved(w_OI: torch.Tensor, args: ModelArgs, per_head: boo
     return torch.cat([latent, half_to_interleaved(rope, R)], dim=0)
 
 
+def _plait_prefix(layer: int, suffix: str, args: ModelArgs) -> str | None:
+    """The plait prefix HF layer `layer` (entry `suffix`) converts under: `layers.{i}`, an MTP
+    depth's `mtp.{k}.block` / `mtp.{k}`, or None for what import drops (MTP depths past
+    `args.mtp_layers`, and the MTP layers' copies of the shared embedding and head)."""
+    if layer < args.n_layers:
+        return f"layers.{layer}"
+    k = layer - args.n_layers
+    if k >= args.mtp_layers or suffix in _MTP_COPIES.values():
+        return None
+    return f"mtp.{k}" if suffix in _MTP_OWN.values() else f"mtp.{k}.block"
+
+
 def from_hf(
     hf_state_dict: dict[str, torch.Tensor], args: ModelArgs, *, rope_interleave: bool = True
 ) -> dict[str, torch.Tensor]:
-    """HF names/layouts -> plait. `rope_interleave=False` for exports made with that HF flag."""
+    """HF names/layouts -> plait. `rope_interleave=False` for exports made with that HF flag.
+    Works on any subset holding whole layers (the trainer imports a layer at a time)."""
     top_level = {hf: plait for plait, hf in _TOP_LEVEL.items()}
     per_layer = {hf: plait for plait, hf in _PER_LAYER.items()}
+    mtp_own = {hf: plait for plait, hf in _MTP_OWN.items()}
     state_dict: dict[str, torch.Tensor] = {}
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     for name, tensor in hf_state_dict.items():
@@ -106,36 +152,43 @@ def from_hf(
         match = _HF_LAYER_KEY.fullmatch(name)
         if match is None:
             raise KeyError(f"no plait name for HF parameter {name!r}")
-        layer, suffix = match.groups()
-        if int(layer) >= args.n_layers:
-            continue  # multi-token-prediction module: not part of the plait model
-        if suffix in per_layer:
+        suffix = match.group(2)
+        prefix = _plait_prefix(int(match.group(1)), suffix, args)
+        if prefix is None:
+            continue
+        if suffix in mtp_own and not prefix.startswith("layers."):  # enorm, hnorm, eh_proj, norm
+            state_dict[f"{prefix}.{mtp_own[suffix]}"] = tensor
+        elif suffix in per_layer:
             plait_suffix = per_layer[suffix]
             if not rope_interleave and plait_suffix in ("attention.wq.weight", "attention.wq_b.weight"):
                 tensor = _rope_rows_to_interleaved(tensor, args, per_head=True)
             elif not rope_interleave and plait_suffix == "attention.wkv_a.weight":
                 tensor = _rope_rows_to_interleaved(tensor, args, per_head=False)
-            state_dict[f"layers.{layer}.{plait_suffix}"] = tensor
+            state_dict[f"{prefix}.{plait_suffix}"] = tensor
         elif expert := _HF_EXPERT_KEY.fullmatch(suffix):
-            experts.setdefault((layer, expert.group(2)), {})[int(expert.group(1))] = tensor
+            experts.setdefault((prefix, expert.group(2)), {})[int(expert.group(1))] = tensor
         elif suffix == "mlp.experts.gate_up_proj":  # transformers 5 in-memory: [E, 2*hidden, dim]
             w1, w3 = tensor.chunk(2, dim=1)
-            state_dict[f"layers.{layer}.moe.experts.w1"] = w1.transpose(1, 2)
-            state_dict[f"layers.{layer}.moe.experts.w3"] = w3.transpose(1, 2)
+            state_dict[f"{prefix}.moe.experts.w1"] = w1.transpose(1, 2)
+            state_dict[f"{prefix}.moe.experts.w3"] = w3.transpose(1, 2)
         elif suffix == "mlp.experts.down_proj":  # [E, dim, hidden]
-            state_dict[f"layers.{layer}.moe.experts.w2"] = tensor.transpose(1, 2)
+            state_dict[f"{prefix}.moe.experts.w2"] = tensor.transpose(1, 2)
         else:
             raise KeyError(f"no plait name for HF parameter {name!r}")
-    projection_to_plait = {hf: plait for plait, hf in _EXPERTS.items()}
-    for (layer, projection), per_expert in experts.items():
-        if sorted(per_expert) != list(range(args.n_routed_experts)):
-            raise KeyError(
-                f"layer {layer} {projection}: experts {sorted(per_expert)} != 0..{args.n_routed_experts - 1}"
-            )
-        # E x [out, in] -> [E, in, out]
-        stacked = torch.stack([per_expert[j].t() for j in range(args.n_routed_experts)])
-        state_dict[f"layers.{layer}.{projection_to_plait[projection]}"] = stacked
+    state_dict.update(_stacked_experts(experts, args))
     return state_dict
+
+
+def _stacked_experts(experts: dict[tuple[str, str], dict[int, torch.Tensor]], args: ModelArgs) -> dict:
+    """(plait prefix, HF projection) -> {expert j: [out, in]}  ->  `{prefix}.moe.experts.wN` [E, in, out]."""
+    projection_to_plait = {hf: plait for plait, hf in _EXPERTS.items()}
+    stacked = {}
+    for (prefix, projection), per_expert in experts.items():
+        if sorted(per_expert) != list(range(args.n_routed_experts)):
+            raise KeyError(f"{prefix} {projection}: experts {sorted(per_expert)} != 0..{args.n_routed_experts - 1}")
+        weights = torch.stack([per_expert[j].t() for j in range(args.n_routed_experts)])
+        stacked[f"{prefix}.{projection_to_plait[projection]}"] = weights
+    return stacked
 
 
 def hf_config(args: ModelArgs) -> dict:
@@ -187,7 +240,7 @@ def hf_config(args: ModelArgs) -> dict:
         "rope_theta": args.rope_theta,
         "rope_scaling": rope_scaling,
         "rope_interleave": True,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": args.mtp_layers,
         "tie_word_embeddings": False,
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -252,5 +305,7 @@ def args_from_hf_config(config: dict) -> ModelArgs:
         v_head_dim=config["v_head_dim"],
         max_seq_len=max_seq_len,
         rope_theta=theta,
+        # The checkpoint's MTP depths; a run may train fewer (import drops the rest: from_hf).
+        mtp_layers=int(config.get("num_nextn_predict_layers") or 0),
         **yarn,
     )
