@@ -301,14 +301,13 @@ LAYOUTS = [
     Layout("PP 2 x HSDP 2x2, 1F1B", 8, {**PP2, "dp_replicate": 2, "dp_shard": 2, "pipeline_microbatch_size": 1},
            layers=PP2_LAYERS),
     # 8 ranks
-    # bf16 FSDP / HSDP: "FSDP 2", "FSDP 4", "HSDP 2x2" (8 ranks change shard sizes, not the policy).
-    Layout("FSDP 8", 8, bf16=False),
-    Layout("HSDP 2x4", 8, {"dp_replicate": 2}, bf16=False),
+    # FSDP 8 and HSDP 2x4 alone: plait-dataparallel's 8-rank tests (test_dataparallel_eight_ranks.py).
     Layout("HSDP 2x2 x TP 2", 8, {"dp_replicate": 2, "tp": 2}),
     Layout("HSDP 2x2 x CP 2 ring", 8, {"dp_replicate": 2, "cp": 2, "cp_method": "ring"}),
     Layout("FSDP 2 x CP 2 x TP 2", 8, {"cp": 2, "tp": 2}),
     Layout("HSDP 2x2 x TP 2 x EP 2", 8, {"dp_replicate": 2, "tp": 2, "ep": 2}, models=DEEPSEEK),
-    Layout("FSDP 2 x CP 2 x TP 2 x EP 4", 8, {"cp": 2, "tp": 2, "ep": 4}, models=DEEPSEEK),
+    # Every parallelism at once, with multi-token prediction (the depth's tokens cross CP shards,
+    # its MoE block is dispatched over EP 4, its head is loss parallel).
     Layout("FSDP 2 x CP 2 x TP 2 x EP 4, MTP 1", 8, {"cp": 2, "tp": 2, "ep": 4}, models=DEEPSEEK, model_args=MTP),
 ]
 # fmt: on
