@@ -9,7 +9,9 @@ every rank; it is parallelised only by plan data and package calls, never edited
 - cp2_allgather / cp2_ring / cp2_ulysses: CP 2 (FSDP over the cp ranks) through transformers'
   attention interface: plait.contextparallel.ContextParallelSDPA registered as "plait_cp", each rank
   feeding its load-balanced (head-tail) tokens with their positions as position_ids (RoPE);
-- fsdp2_cp2_tp2_ring: FSDP 2 x CP 2 (ring) x TP 2 with SP and loss parallel, 8 ranks.
+- fsdp2_cp2_tp2_ring: FSDP 2 x CP 2 (ring) x TP 2 with SP and loss parallel, 8 ranks;
+- qwen3_fsdp2_tp2_sp_lp / qwen3_fsdp2_tp2: transformers' Qwen3ForCausalLM (per-head q_norm / k_norm,
+  `head_norm` in the tensorparallel README's QWEN3_TP_PLAN) under FSDP 2 x TP 2, with and without SP.
 Each must match the single-process run: losses at every step within the parity matrix's fp32
 tolerance (1e-5), parameters after the last step within 1e-5 (SGD with momentum).
 
@@ -63,7 +65,21 @@ BLOCKS = [f"model.layers.{i}" for i in range(LAYERS)]
 EDGE_UNITS = [["model.embed_tokens"], ["model.norm", "lm_head"]]
 
 
-def make_model(attn: str = "sdpa"):
+def _readme_plan(name: str) -> dict:
+    readme = (Path(__file__).parents[1] / "packages/tensorparallel/README.md").read_text()
+    plan = re.search(rf"^{name} = (\{{.*?^\}})", readme, re.S | re.M)
+    assert plan is not None, f"packages/tensorparallel/README.md lost its {name}"
+    return ast.literal_eval(plan.group(1))
+
+
+# Qwen3's per-head q_norm / k_norm are `head_norm` (their weight gradients summed over tp), as the
+# README's plan has them.
+QWEN3_TP_PLAN = _readme_plan("QWEN3_TP_PLAN")
+
+
+def make_model(attn: str = "sdpa", model: str = "llama"):
+    if model == "qwen3":
+        return make_qwen3()
     config = transformers.LlamaConfig(
         hidden_size=HIDDEN,
         intermediate_size=FFN,
@@ -76,6 +92,19 @@ def make_model(attn: str = "sdpa"):
     )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).float()
+
+
+def make_qwen3():
+    config = transformers.Qwen3Config(hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HIDDEN // HEADS,
+                                      vocab_size=VOCAB, max_position_embeddings=SEQ, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(config).float()
+    with torch.no_grad():  # norms away from ones, so that each head's norm weight matters
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.2)
+    return model
 
 
 def batches():
@@ -129,12 +158,13 @@ def full_params(model) -> dict[str, torch.Tensor]:
     }
 
 
-def _fsdp_tp(world_size: int, sp: bool, lp: bool, attn: str, mask: bool = False):
+def _fsdp_tp(world_size: int, sp: bool, lp: bool, attn: str, mask: bool = False, model_name: str = "llama"):
     meshes = build_meshes(ParallelDims(world_size=world_size, dp_shard=2, tp=2))
     config = TensorParallelConfig(sequence_parallel=sp, loss_parallel=lp)
-    model = apply_tensor_parallel(make_model(attn), meshes.tp, LLAMA_TP_PLAN, config)
+    plan = QWEN3_TP_PLAN if model_name == "qwen3" else LLAMA_TP_PLAN
+    model = apply_tensor_parallel(make_model(attn, model_name), meshes.tp, plan, config)
     model = apply_data_parallel(model, meshes, BLOCKS, DataParallelConfig(), edge_units=EDGE_UNITS)
-    lp_on = uses_loss_parallel(LLAMA_TP_PLAN, config, meshes.tp.size())
+    lp_on = uses_loss_parallel(plan, config, meshes.tp.size())
     losses = train(model, meshes.dp_rank, meshes.dp_degree, meshes.dp.get_group(), loss_parallel=lp_on, mask=mask)
     return losses, full_params(model)
 
@@ -145,6 +175,14 @@ def case_fsdp2_tp2_sp_lp(rank, world_size):
 
 def case_fsdp2_tp2_sp_eager(rank, world_size):
     return _fsdp_tp(world_size, sp=True, lp=False, attn="eager", mask=True)
+
+
+def case_qwen3_fsdp2_tp2_sp_lp(rank, world_size):
+    return _fsdp_tp(world_size, sp=True, lp=True, attn="sdpa", model_name="qwen3")
+
+
+def case_qwen3_fsdp2_tp2(rank, world_size):
+    return _fsdp_tp(world_size, sp=False, lp=False, attn="sdpa", model_name="qwen3")
 
 
 def _cp(world_size: int, method: str, dp_shard: int = 1, tp: int = 1):
@@ -184,10 +222,13 @@ def case_fsdp2_cp2_tp2_ring(rank, world_size):
     return _cp(world_size, "ring", dp_shard=2, tp=2)
 
 
-# name -> (world size, case function, its single-process reference: (attn_implementation, 4D mask))
+# name -> (world size, case function, its single-process reference: (attn_implementation, 4D mask, model))
 CASES = {
     "fsdp2_tp2_sp_lp": (4, case_fsdp2_tp2_sp_lp, ("sdpa", False)),
     "fsdp2_tp2_sp_eager": (4, case_fsdp2_tp2_sp_eager, ("eager", True)),
+    # transformers' Qwen3 (per-head norms, issue 44) by the README's plan, with and without SP.
+    "qwen3_fsdp2_tp2_sp_lp": (4, case_qwen3_fsdp2_tp2_sp_lp, ("sdpa", False, "qwen3")),
+    "qwen3_fsdp2_tp2": (4, case_qwen3_fsdp2_tp2, ("sdpa", False, "qwen3")),
     "cp2_allgather": (2, case_cp2_allgather, ("sdpa", False)),
     "cp2_ring": (2, case_cp2_ring, ("sdpa", False)),
     "cp2_ulysses": (2, case_cp2_ulysses, ("sdpa", False)),
@@ -204,9 +245,10 @@ def _run_cases(rank, world_size, names):
 def test_transformers_llama_matches_single_process(world_size):
     names = [name for name, (ws, *_) in CASES.items() if ws == world_size]
     references = {}
-    for attn, mask in sorted({CASES[name][2] for name in names}):
-        model = make_model(attn)
-        references[attn, mask] = (train(model, mask=mask), full_params(model))
+    for reference in sorted({CASES[name][2] for name in names}):
+        attn, mask, *model_name = reference
+        model = make_model(attn, *model_name)
+        references[reference] = (train(model, mask=mask), full_params(model))
     results = run_on_ranks(_run_cases, world_size, names, timeout=TIMEOUT)
     for name in names:
         ref_losses, ref_params = references[CASES[name][2]]
