@@ -261,6 +261,13 @@ LAYOUTS = [
     Layout("CP 2 ring, MTP 1", 2, {"cp": 2, **CP1, "cp_method": "ring"}, models=DEEPSEEK, model_args=MTP),
     Layout("CP 2 Ulysses, MTP 1", 2, {"cp": 2, **CP1, "cp_method": "ulysses"}, models=DEEPSEEK, model_args=MTP),
     Layout("EP 2 dropless, MTP 1", 2, {"ep": 2}, models=DEEPSEEK, model_args=MTP),
+    # Under PP the depth sits on the last stage with the head; the first stage embeds its shifted
+    # tokens and every stage hands them on beside the hidden state (one embedding, one gradient).
+    Layout("PP 2 1F1B, MTP 1", 2, {**PP2, "pipeline_schedule": "1F1B"}, models=DEEPSEEK, model_args=MTP,
+           layers={"deepseek_v3": "2,2"}),
+    Layout("PP 2 Interleaved1F1B (2 stages per rank), MTP 1", 2,
+           {**PP2, "pipeline_schedule": "Interleaved1F1B", "pipeline_virtual_stages": 2}, models=DEEPSEEK,
+           model_args=MTP, layers={"deepseek_v3": "1,1,1,1"}),
     Layout("FSDP 2, document mask, MTP 1", 2, models=DEEPSEEK, model_args={**DOCS, **MTP}),
     Layout("CP 2 ring, document mask, MTP 1", 2, {"cp": 2, **CP1, "cp_method": "ring"}, models=DEEPSEEK,
            model_args={**DOCS, **MTP}),

@@ -148,9 +148,9 @@ def _mtp_model(args: ModelArgs) -> Transformer:
 def _logits(model: Transformer, tokens_BT: torch.Tensor, depths: int):
     """Main logits and each MTP depth's, depth k reading the row shifted left by k."""
     S = tokens_BT.shape[1] - depths
-    mtp_tokens_KBS = torch.stack([tokens_BT[:, k : k + S] for k in range(1, depths + 1)])
+    mtp_tokens_BKS = torch.stack([tokens_BT[:, k : k + S] for k in range(1, depths + 1)], 1)
     with torch.no_grad():
-        main_BSV, depth_logits = model(tokens_BT[:, :S], mtp_tokens=mtp_tokens_KBS)
+        main_BSV, *depth_logits = model(tokens_BT[:, :S], mtp_tokens=mtp_tokens_BKS)
     return [main_BSV, *depth_logits]
 
 

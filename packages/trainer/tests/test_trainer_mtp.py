@@ -1,8 +1,8 @@
 """Multi-token prediction (model.mtp_layers, issue 43): each depth's shifted tokens and targets, no
 prediction across a document's end (a packed row's MTP losses are each document's alone), one-line
 refusals, and a DeepSeek-V3 run that logs the main loss and each depth's. The layouts (FSDP, TP + SP
-+ loss parallel, CP 2 by each method, EP, documents under CP, FSDP x CP x TP x EP) are in the parity
-matrix (tests/)."""
++ loss parallel, CP 2 by each method, EP, PP 1F1B / Interleaved1F1B, documents under CP, FSDP x CP
+x TP x EP) are in the parity matrix (tests/)."""
 
 import json
 import math
@@ -39,7 +39,7 @@ def test_depth_k_reads_the_token_k_ahead_and_predicts_the_next_one():
 def _mtp_loss_sums(model, inputs_BS, labels_BS, positions_BS):
     """(main loss sum, [each depth's loss sum]) of rows whose documents the positions mark."""
     tokens_KBS, targets_KBS = shifted_rows(inputs_BS, labels_BS, 2, positions_BS)
-    logits_BSV, depth_logits = model(inputs_BS, None, positions_BS, mtp_tokens=tokens_KBS)
+    logits_BSV, *depth_logits = model(inputs_BS, None, positions_BS, mtp_tokens=tokens_KBS.transpose(0, 1))
     ce = lambda logits, targets: F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")  # noqa: E731
     return ce(logits_BSV, labels_BS), [ce(logits, targets_KBS[k]) for k, logits in enumerate(depth_logits)]
 
@@ -77,8 +77,10 @@ def test_bad_mtp_settings_are_one_line():
             ("model.name", "deepseek_v3", "model.mtp_layers", "-1"),
         r"model.mtp_loss_scale = -0.5 \(deepseek_v3 debugmodel\): must be >= 0":
             ("model.name", "deepseek_v3", "model.mtp_loss_scale", "-0.5"),
-        r"multi-token prediction does not run under pipeline parallel yet; set pp = 1 or model.mtp_layers = 0":
-            ("model.name", "deepseek_v3", "model.mtp_layers", "1", "parallelism.pp", "2"),
+        r"parallelism.layers_per_stage = 2,0 puts model.mtp_layers = 1 multi-token-prediction depths .* before the "
+        r"last stage: give the last stage at least 1":
+            ("model.name", "deepseek_v3", "model.n_layers", "1", "model.mtp_layers", "1", "parallelism.pp", "2",
+             "parallelism.layers_per_stage", "2,0"),
     }  # fmt: skip
     for message, pairs in refusals.items():
         with pytest.raises(ConfigError, match=message) as info:

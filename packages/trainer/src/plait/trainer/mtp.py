@@ -14,11 +14,25 @@ sum over its valid targets divided by the global count of them (data parallel av
 
 import torch
 
+from .config import ConfigError
+
 IGNORE_INDEX = -100
 
 
 def mtp_depths(model_args) -> int:
     return getattr(model_args, "mtp_layers", 0)
+
+
+def check_mtp_stages(config, dims, model_args) -> None:
+    """Under pipeline parallel the MTP depths (the last blocks) belong on the last stage, with the
+    output head they share."""
+    depths = getattr(model_args, "mtp_layers", 0)
+    counts = list(config.parallelism.layers_per_stage)
+    if not depths or dims.pp == 1 or not counts or counts[-1] >= depths:
+        return
+    raise ConfigError(f"parallelism.layers_per_stage = {','.join(map(str, counts))} puts model.mtp_layers = {depths} "
+                      f"multi-token-prediction depths (the last {depths} blocks: {model_args.n_layers} + {depths} "
+                      f"in all) before the last stage: give the last stage at least {depths}.")
 
 
 def shifted_rows(
@@ -42,3 +56,29 @@ def shifted_rows(
 def depth_losses(loss_fn, depth_logits: list, labels_KBS: torch.Tensor, scales_K: torch.Tensor) -> list:
     """Each depth's summed token loss times its scale (ranks / its global count of targets)."""
     return [loss_fn(logits_BSV, labels_KBS[k]) * scales_K[k] for k, logits_BSV in enumerate(depth_logits)]
+
+
+class PipelineMTPLoss:
+    """The last pipeline stage's loss under MTP: the model's (logits, depth 1, ..., depth K) against
+    targets [B, (1 + K) x S] (the main labels, then each depth's, side by side: the schedule splits
+    targets on the batch dim only). `scales` [1 + K] are set before each step (ranks / each loss's
+    global count); `parts` sums each loss over the step's micro-batches, for the log. Outputs that
+    are one tensor (validation: no shifted rows) take `loss_fn` as they are."""
+
+    def __init__(self, loss_fn, depths: int, mtp_loss_scale: float):
+        self.loss_fn, self.depths, self.mtp_loss_scale = loss_fn, depths, mtp_loss_scale
+        self.scales: torch.Tensor | None = None
+        self.parts: list = []
+
+    def start_step(self, scales_K: torch.Tensor) -> None:
+        self.scales, self.parts = scales_K, []
+
+    def __call__(self, output, target_BX: torch.Tensor) -> torch.Tensor:
+        if isinstance(output, torch.Tensor):
+            return self.loss_fn(output, target_BX)
+        logits_BSV, *depth_logits = output
+        labels_BKS = target_BX.unflatten(1, (1 + self.depths, -1))
+        losses = [self.loss_fn(logits_BSV, labels_BKS[:, 0]) * self.scales[0]]
+        losses += [self.loss_fn(logits, labels_BKS[:, k + 1]) * self.scales[k + 1] for k, logits in enumerate(depth_logits)]
+        self.parts.append([loss.detach() for loss in losses])
+        return losses[0] + sum(losses[1:]) * (self.mtp_loss_scale / self.depths)

@@ -17,6 +17,7 @@ from torch import nn
 from plait.mesh import Meshes
 
 from .config import Config
+from .mtp import PipelineMTPLoss, mtp_depths
 from .validate import RunPlan
 
 
@@ -94,6 +95,9 @@ def build_trainer_pipeline(config: Config, plan: RunPlan, meshes: Meshes, pm, lo
 
     pp_module = plan.parallel_modules["pp"]
     n_mb = pipeline_microbatches(config)
+    depths = mtp_depths(plan.model_args)
+    if depths:  # the last stage's loss: the main one and each depth's (mtp.py)
+        loss_fn = PipelineMTPLoss(loss_fn, depths, plan.model_args.mtp_loss_scale)
     aux = None
     if moe is not None and moe.aux_enabled:
         def aux(module):  # each micro-batch's balance loss, averaged like the accumulation's

@@ -83,7 +83,7 @@ class StepRunner:
 
     def forward(self, tokens_BS, positions, documents_BS, mtp=None):
         """The model's logits; with MTP rows, (logits, [logits of each depth])."""
-        extra = {} if mtp is None else {"mtp_tokens": mtp[0]}
+        extra = {} if mtp is None else {"mtp_tokens": mtp[0].transpose(0, 1)}  # [B, K, S]
         if documents_BS is None:  # causal: the two-argument call every model takes
             return self.model(tokens_BS, positions, **extra)
         return self.model(tokens_BS, positions, documents_BS, **extra)
@@ -159,18 +159,28 @@ class StepRunner:
         """One step under pipeline parallel: the local batch (the accumulation micro-batches
         merged, see pipeline.merge_micro_batches) through the schedule; the loss, reported once from
         the last stage, summed over the pp ranks (the others contribute 0)."""
-        (inputs_BS, labels_BS, positions, documents_BS, _), = [self.local_batch(*mb) for mb in micro_batches]
-        scale = self._loss_scale([labels_BS])
+        (inputs_BS, labels_BS, positions, documents_BS, mtp), = [self.local_batch(*mb) for mb in micro_batches]
         autocast = self.pm.autocast or contextlib.nullcontext()
+        kwargs = dict(positions=positions, document_positions=documents_BS)
+        if mtp is None:
+            scale = self._loss_scale([labels_BS])
+        else:  # each loss's scale inside the MTP loss; the depths' rows go to every stage
+            mtp_loss, scale = self.pipeline.loss.loss_fn, 1.0
+            mtp_loss.start_step(self._loss_scale([self._all_labels(labels_BS, mtp)]))
+            labels_BS = torch.cat([labels_BS[:, None], mtp[1].transpose(0, 1)], 1).flatten(1)  # [B, (1 + K) S]
+            kwargs["mtp_tokens"] = mtp[0].transpose(0, 1)
         with self.loss_context(), autocast:
-            loss = self.pipeline.step(
-                inputs_BS, labels_BS, scale=scale, positions=positions, document_positions=documents_BS
-            )
+            loss = self.pipeline.step(inputs_BS, labels_BS, scale=scale, **kwargs)
+        if mtp is not None:  # the main loss, then each depth's: the last stage's, summed over micro-batches
+            # (the last n: torch's shape inference on the first step computes a loss of its own first)
+            parts = self.pipeline.loss.loss_fn.parts[-self.pipeline.n_microbatches :]
+            loss = torch.stack([torch.stack(p) for p in parts]).sum(0) if parts else None
         if isinstance(loss, DTensor):  # tensor parallel: a replicated DTensor
             loss = loss.full_tensor()
-        step_loss = loss.detach().float().reshape(()) if loss is not None else torch.zeros((), device=self.device)
+        size = 1 + (0 if mtp is None else mtp[0].shape[0])
+        step_loss = loss.detach().float().reshape(-1) if loss is not None else torch.zeros(size, device=self.device)
         dist.all_reduce(step_loss, group=self.meshes.pp.get_group())
-        return step_loss, self._update()
+        return (step_loss if mtp is not None else step_loss[0]), self._update()
 
     def train_step(self, micro_batches) -> tuple[torch.Tensor, torch.Tensor]:
         if self.pipeline is not None:
@@ -190,7 +200,7 @@ class StepRunner:
             with self.loss_context():
                 with autocast:
                     out = self.forward(inputs_BS, positions, documents_BS, mtp)
-                    logits_BSV, depth_logits = out if mtp is not None else (out, [])
+                    logits_BSV, *depth_logits = out if mtp is not None else (out,)
                     losses = [self.loss_fn(logits_BSV, labels_BS) * scales[0]]
                     if mtp is not None:
                         losses += depth_losses(self.loss_fn, depth_logits, mtp[1], scales[1:])

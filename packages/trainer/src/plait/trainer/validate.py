@@ -20,6 +20,7 @@ from .data_checks import build_checked_tokenizer, check_data
 from .float8 import check_float8
 from .float8_experts import check_float8_experts
 from .model_args import model_spec, resolve_model_args
+from .mtp import check_mtp_stages
 from .parallel_settings import cp_config, ep_config, optional_parallel_module, pipeline_microbatches, tp_config
 from .wandb_logger import check_wandb
 
@@ -257,9 +258,7 @@ def validate(config: Config, world_size: int | None = None, check_memory: bool =
     spec = model_spec(config)
     model_args = resolve_model_args(config, spec)
     _check_seq_len(config, model_args)
-    if getattr(model_args, "mtp_layers", 0) and dims.pp > 1:
-        raise ConfigError(f"model.mtp_layers = {model_args.mtp_layers} with parallelism.pp = {dims.pp}: multi-token "
-                          "prediction does not run under pipeline parallel yet; set pp = 1 or model.mtp_layers = 0.")
+    check_mtp_stages(config, dims, model_args)
     _check_data_parallel(config, dims)
     check_data(config, read_sources=need_data)
     _check_hf_weights(config, model_args)

@@ -187,15 +187,18 @@ class Transformer(nn.Module):
         full rows (plait.models.documents; needed by attention_mask / rope_positions = "document")
         -> logits [B, S, V]. positions default: arange(S), or the document positions.
 
-        mtp_tokens [K, B, S] int64 (K <= mtp_layers): depth k's input tokens, the row shifted by k
+        mtp_tokens [B, K, S] int64 (K <= mtp_layers): depth k's input tokens, the row shifted by k
         (the trainer shifts whole rows before context parallel splits them). Then the result is
-        (logits [B, S, V], [logits of depth 1, ..., K]); without them, the main logits alone."""
-        depths = 0 if mtp_tokens is None or self.mtp is None else mtp_tokens.shape[0]
-        # A pipeline stage without the embedding receives hidden states [B, S, D] instead of tokens.
-        if self.tok_embeddings is None:
-            h_BSD, embedded = tokens, []
+        (logits [B, S, V], logits of depth 1, ..., K); without them, the main logits alone.
+        Pipeline stages: the first embeds the shifted rows too and every stage before the last
+        hands them on beside the hidden state, [B, S, (1 + K) x D] (one embedding, on the first
+        stage; the last runs the depths)."""
+        depths = 0 if mtp_tokens is None or self.mtp is None else mtp_tokens.shape[1]
+        if self.tok_embeddings is None:  # a later pipeline stage: hidden states, and the depths' rows
+            h_BSD, *embedded = tokens.chunk(1 + depths, dim=-1) if depths else (tokens,)
         else:  # one embedding call for the row and every depth's shifted row (one FSDP gather)
-            rows = torch.cat([tokens[None], mtp_tokens[:depths]]).flatten(0, 1) if depths else tokens
+            rows = torch.cat([tokens[:, None], mtp_tokens[:, :depths]], 1).transpose(0, 1).flatten(0, 1) \
+                if depths else tokens
             h_BSD, *embedded = self.tok_embeddings(rows).chunk(1 + depths)
         positions, mask_positions_BS = attention_inputs(
             self.args.attention_mask, self.args.rope_positions, tokens, positions, document_positions
@@ -207,7 +210,7 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             h_BSD = layer(h_BSD, rope_cos, rope_sin, mask_positions_BS, mask_offsets)
         if self.norm is None:
-            return h_BSD
+            return torch.cat([h_BSD, *embedded], dim=-1) if depths else h_BSD
         heads = [self.norm(h_BSD)]
         for mtp, embedded_BSD in zip(list(self.mtp.values())[:depths] if depths else [], embedded):
             h_BSD = mtp(h_BSD, embedded_BSD, rope_cos, rope_sin, mask_positions_BS, mask_offsets)
@@ -216,8 +219,7 @@ class Transformer(nn.Module):
         logits = self.output(torch.cat(heads) if depths else heads[0])
         if not depths:
             return logits
-        main_BSV, *depth_logits = logits.chunk(1 + depths)
-        return main_BSV, depth_logits
+        return tuple(logits.chunk(1 + depths))  # (main, depth 1, ..., depth K)
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
