@@ -4,6 +4,7 @@ refusals, and a DeepSeek-V3 run that logs the main loss and each depth's. The la
 + loss parallel, CP 2 by each method, EP, PP 1F1B / Interleaved1F1B, documents under CP, FSDP x CP
 x TP x EP) are in the parity matrix (tests/)."""
 
+import argparse
 import json
 import math
 
@@ -77,15 +78,20 @@ def test_bad_mtp_settings_are_one_line():
             ("model.name", "deepseek_v3", "model.mtp_layers", "-1"),
         r"model.mtp_loss_scale = -0.5 \(deepseek_v3 debugmodel\): must be >= 0":
             ("model.name", "deepseek_v3", "model.mtp_loss_scale", "-0.5"),
-        r"parallelism.layers_per_stage = 2,0 puts model.mtp_layers = 1 multi-token-prediction depths .* before the "
-        r"last stage: give the last stage at least 1":
-            ("model.name", "deepseek_v3", "model.n_layers", "1", "model.mtp_layers", "1", "parallelism.pp", "2",
-             "parallelism.layers_per_stage", "2,0"),
     }  # fmt: skip
     for message, pairs in refusals.items():
         with pytest.raises(ConfigError, match=message) as info:
             validate(_config(*pairs), world_size=2)
         assert "\n" not in str(info.value)
+    # Pipeline parallel: the depths (the last blocks) must be on the last stage (checked without
+    # plait-pipelineparallel installed: this package's tests run without it).
+    from plait.mesh import ParallelDims
+    from plait.trainer.mtp import check_mtp_stages
+
+    config = _config("model.name", "deepseek_v3", "parallelism.pp", "2", "parallelism.layers_per_stage", "2,0")
+    with pytest.raises(ConfigError, match=r"parallelism.layers_per_stage = 2,0 puts model.mtp_layers = 1 multi-token-"
+                       r"prediction depths .* before the last stage: give the last stage at least 1"):
+        check_mtp_stages(config, ParallelDims(world_size=2, pp=2), argparse.Namespace(mtp_layers=1, n_layers=1))
     for pairs, message in (((("model.name", "deepseek_v3", "model.mtp_loss_scale", "nan")), r"model.mtp_loss_scale = 'nan': must be a finite number"),
                            ((("model.name", "llama3", "model.mtp_layers", "1")), r"unknown config key 'model.mtp_layers'")):
         with pytest.raises(ConfigError, match=message):

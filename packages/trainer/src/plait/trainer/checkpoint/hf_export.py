@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             if isinstance(e, store.CheckpointError):
                 raise
-            detail = str(e).splitlines()[1].strip() if "\n" in str(e) else str(e)
+            # check_matches_model's first line names the first mismatch (and how many more).
+            detail = str(e).splitlines()[0].split(": ", 1)[-1]
             recorded = ("with the model arguments it records" if model_args is not None else
                         "and records no model arguments (saved before they were): pass the --model / --flavor "
                         "it was trained with")
