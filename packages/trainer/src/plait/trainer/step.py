@@ -192,8 +192,11 @@ class StepRunner:
         # Data parallel averages gradients over the dp x cp ranks; scaling each rank's loss sum by
         # ranks / (valid tokens of the global batch) makes the step's gradient the mean over every
         # valid token, however they are split over ranks, micro-batches and ignored labels.
-        scales = self._loss_scale([self._all_labels(labels, mtp) for _, labels, _, _, mtp in batches])
         depths = mtp_depths(self.plan.model_args)
+        # Without MTP, [B, S] labels and one 0-dim scale as before (the planner's traced step holds
+        # the same tensors as the real one, to the byte); with it, one scale per loss.
+        all_labels = [self._all_labels(labels, mtp) if depths else labels for _, labels, _, _, mtp in batches]
+        scales = self._loss_scale(all_labels) if depths else self._loss_scale(all_labels)[None]
         # The main loss, then each MTP depth's (logged; the step optimises main + scale x their mean).
         step_losses = torch.zeros(1 + depths, device=self.device)
         for inputs_BS, labels_BS, positions, documents_BS, mtp in batches:
