@@ -19,8 +19,8 @@ from torch import nn
 
 from .config import Config, ConfigError
 
-GROUP_ROWS = {"rowwise": 16, "mxfp8": 32}  # the kernels' per-group row multiple
-BLOCK = {"rowwise": 16, "mxfp8": 32}  # each GEMM's inner and outer dims must be multiples of it
+# The kernels' multiple: of each expert group's rows, and of each GEMM's inner and outer dims.
+MULTIPLE = {"rowwise": 16, "mxfp8": 32}
 
 
 def experts_recipe(config: Config, cuda_capability: tuple[int, int] | None) -> str:
@@ -51,9 +51,9 @@ def check_float8_experts(config: Config, experts: list[nn.Module], cuda_capabili
         _check_device(setting, recipe, cuda_capability)
     w1 = experts[0].w1  # [E, dim, hidden]
     dim, hidden = w1.shape[1], w1.shape[2]
-    if dim % BLOCK[recipe] or hidden % BLOCK[recipe]:
+    if dim % MULTIPLE[recipe] or hidden % MULTIPLE[recipe]:
         raise ConfigError(f"{setting}: the {recipe} grouped GEMM needs the experts' dims to be multiples of "
-                          f"{BLOCK[recipe]}; this model's are dim {dim} and hidden {hidden} (--model.dim / "
+                          f"{MULTIPLE[recipe]}; this model's are dim {dim} and hidden {hidden} (--model.dim / "
                           "--model.moe_inter_dim), or set it to off.")
 
 
@@ -113,6 +113,6 @@ def convert_experts_to_float8(model: nn.Module, experts: list[str], config: Conf
     for path in experts:
         module = model.get_submodule(path)
         module.grouped_mm = gemm
-        module.group_alignment = max(module.group_alignment, GROUP_ROWS[recipe])
+        module.group_alignment = max(module.group_alignment, MULTIPLE[recipe])
     how = " (torchao's emulation)" if gemm.emulate else ""
-    return f"float8 experts {recipe}{how}: {len(experts)} experts modules, groups padded to {GROUP_ROWS[recipe]} rows"
+    return f"float8 experts {recipe}{how}: {len(experts)} experts modules, groups padded to {MULTIPLE[recipe]} rows"

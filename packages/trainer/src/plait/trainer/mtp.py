@@ -58,6 +58,12 @@ def depth_losses(loss_fn, depth_logits: list, labels_KBS: torch.Tensor, scales_K
     return [loss_fn(logits_BSV, labels_KBS[k]) * scales_K[k] for k, logits_BSV in enumerate(depth_logits)]
 
 
+def objective(losses: list, mtp_loss_scale: float):
+    """What the step optimises from [main, depth 1, ..., depth K] (each already scaled): main +
+    mtp_loss_scale x the depths' mean."""
+    return losses[0] + sum(losses[1:]) * (mtp_loss_scale / (len(losses) - 1)) if len(losses) > 1 else losses[0]
+
+
 class PipelineMTPLoss:
     """The last pipeline stage's loss under MTP: the model's (logits, depth 1, ..., depth K) against
     targets [B, (1 + K) x S] (the main labels, then each depth's, side by side: the schedule splits
@@ -79,6 +85,6 @@ class PipelineMTPLoss:
         logits_BSV, *depth_logits = output
         labels_BKS = target_BX.unflatten(1, (1 + self.depths, -1))
         losses = [self.loss_fn(logits_BSV, labels_BKS[:, 0]) * self.scales[0]]
-        losses += [self.loss_fn(logits, labels_BKS[:, k + 1]) * self.scales[k + 1] for k, logits in enumerate(depth_logits)]
+        losses += depth_losses(self.loss_fn, depth_logits, labels_BKS[:, 1:].transpose(0, 1), self.scales[1:])
         self.parts.append([loss.detach() for loss in losses])
-        return losses[0] + sum(losses[1:]) * (self.mtp_loss_scale / self.depths)
+        return objective(losses, self.mtp_loss_scale)

@@ -17,7 +17,7 @@ from plait.models.documents import MIN_DOCUMENTS_PER_ROW, documents_capacity, ro
 
 from .config import ConfigError
 from .float8 import after_optimizer_step
-from .mtp import IGNORE_INDEX, depth_losses, mtp_depths, shifted_rows
+from .mtp import IGNORE_INDEX, depth_losses, mtp_depths, objective, shifted_rows
 
 
 def cross_entropy_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
@@ -207,8 +207,7 @@ class StepRunner:
                     losses = [self.loss_fn(logits_BSV, labels_BS) * scales[0]]
                     if mtp is not None:
                         losses += depth_losses(self.loss_fn, depth_logits, mtp[1], scales[1:])
-                    total = losses[0] + sum(losses[1:]) * (self.plan.model_args.mtp_loss_scale / depths) \
-                        if depths else losses[0]
+                    total = objective(losses, getattr(self.plan.model_args, "mtp_loss_scale", 0.0))
                     if self.moe and self.moe.aux_enabled:
                         total = total + self._aux(losses[0], accumulation)
                 total.backward()

@@ -253,7 +253,6 @@ class Transformer(nn.Module):
                               **{f"{d}.block": m.block for d, m in zip(mtp_depths, (self.mtp or {}).values())}}
         return {
             "blocks": blocks + mtp_depths,
-            "mtp_blocks": mtp_depths,
             "tp_plan": self._tp_plan(),
             "experts": [f"{b}.moe.experts" for b, layer in transformer_blocks.items() if layer.is_moe],
             # The module each MoE runs after its experts and before it first uses their output: expert
