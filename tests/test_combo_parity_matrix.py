@@ -136,6 +136,8 @@ class Layout:
         local_batch = GLOBAL_BATCH // (dp * self.training.get("gradient_accumulation_steps", 1))
         args = [*COMMON, "--model.name", model, "--model.flavor", "debugmodel", *MODEL_ARGS[model],
                 "--training.local_batch_size", str(local_batch), "--training.dtype", dtype]  # fmt: skip
+        if DEVICE == "cuda":
+            args += ["--comm.backend", "gloo"]  # ranks share the GPU
         if dtype == "bfloat16":
             args += ["--training.steps", str(BF16_STEPS), "--metrics.log_freq", str(BF16_STEPS)]
         parallelism = {**self.parallelism, **({"layers_per_stage": self.layers[model]} if model in self.layers else {})}
@@ -275,7 +277,9 @@ LAYOUTS = [
     Layout("FSDP 4", 4),
     Layout("HSDP 2x2", 4, {"dp_replicate": 2}),
     Layout("FSDP 2 x TP 2", 4, {"tp": 2}),
-    Layout("FSDP 2 x TP 2, float8 tensorwise (float8 all-gather)", 4, {"tp": 2}, FLOAT8, fp32=False),
+    # Rowwise (the recipe the GPU lease runs on H100 / H200): tensorwise's float8 all-gather is
+    # "FSDP 2, float8 tensorwise", its DTensor linears "TP 2 + SP + loss parallel, float8 tensorwise".
+    Layout("FSDP 2 x TP 2, float8 rowwise", 4, {"tp": 2}, FLOAT8_ROWWISE, fp32=False),
     Layout("FSDP 2 x CP 2 ring", 4, {"cp": 2, "cp_method": "ring"}),
     Layout("TP 2 x CP 2 all-gather", 4, {"tp": 2, "cp": 2, **CP1}),
     Layout("FSDP 2 x CP 2 ring, document mask, full AC, accumulation 2", 4, {"cp": 2, "cp_method": "ring"},
@@ -317,14 +321,33 @@ LAYOUTS = [
     # its MoE block is dispatched over EP 4, its head is loss parallel).
     Layout("FSDP 2 x CP 2 x TP 2 x EP 4, MTP 1", 8, {"cp": 2, "tp": 2, "ep": 4}, models=DEEPSEEK, model_args=MTP),
 ]
+# The subset the GPU lease and `nox -s gpu` run on CUDA (issue 50): 2 and 4 ranks sharing one GPU
+# over gloo (comm.backend gloo), each against one rank on the same GPU, with the CPU matrix's
+# entries, dtypes and tolerances (these are its layouts by name, not copies).
+CUDA_SUBSET = (
+    "FSDP 2", "HSDP 2x2", "TP 2 + SP + loss parallel",
+    "CP 2 all-gather, document mask, 2 load-balance rounds", "CP 2 ring, document mask",
+    "CP 2 Ulysses, document mask",
+    "EP 2 dropless", "EP 2 capacity (factor 8: no drops)", "FSDP 4 x EP 2 (expert FSDP 2), selective AC",
+    "PP 2 1F1B", "PP 2 Interleaved1F1B (2 stages per rank)", "FSDP 2 x TP 2, float8 rowwise", "PP 2 1F1B, MTP 1",
+)
 # fmt: on
-ENTRIES = [
+# PLAIT_PARITY_DEVICE=cuda (gpu/lease.sh's parity stage, nox -s gpu): the CUDA subset on this GPU.
+DEVICE = os.environ.get("PLAIT_PARITY_DEVICE", "cpu")
+ALL_ENTRIES = [
     (layout, model, dtype)
     for layout in LAYOUTS
     for model in layout.models
     for dtype in DTYPES
     if (dtype == "float32" and layout.fp32) or (dtype == "bfloat16" and layout.bf16)
 ]
+
+
+def entries_for(device: str) -> list[tuple]:
+    return [entry for entry in ALL_ENTRIES if device == "cpu" or entry[0].name in CUDA_SUBSET]
+
+
+ENTRIES = entries_for(DEVICE)
 # The FSDP-policy bf16 references, one per set of model arguments the fsdp-policy entries use.
 ANCHORS = {
     (tuple(sorted(layout.model_args.items())), layout.route()): layout
@@ -508,7 +531,8 @@ def _run_world(ranks: int, root: Path, grads_dir: Path, entries: list[tuple]) ->
     references = {job[-1] for job in _one_rank_jobs(entries)} | {_reference_key(*entry) for entry in entries}
     # ~10 s per job at 8 ranks on 2 cores (more under the sentinel); bounded so a hang fails.
     timeout = 120 + 60 * len(jobs) * ranks
-    return run_on_ranks(_train_each, ranks, str(root), str(grads_dir), jobs, references, timeout=timeout)[0]
+    return run_on_ranks(_train_each, ranks, str(root), str(grads_dir), jobs, references, timeout=timeout,
+                        device=DEVICE)[0]
 
 
 def _needed(selected: list[tuple]) -> list[tuple]:
@@ -517,7 +541,7 @@ def _needed(selected: list[tuple]) -> list[tuple]:
     for layout, model, dtype in selected:
         if dtype == "bfloat16" and layout.policy() == "fsdp":
             needed.add(_key(_anchor(layout), model, dtype))
-    return [entry for entry in ENTRIES if _key(*entry) in needed]
+    return [entry for entry in ALL_ENTRIES if _key(*entry) in needed]
 
 
 @pytest.fixture(scope="module")
@@ -662,13 +686,46 @@ def test_layout_matches_its_reference(layout, model, dtype, runs, report):
             ref_imbalance = [r["moe_imbalance"] for r in ref_rows]
             if not all(math.isclose(a, b, rel_tol=1e-6) for x, y in zip(imbalance, ref_imbalance) for a, b in zip(x, y)):
                 failures.append(f"moe_imbalance {imbalance} differs from the reference's {ref_imbalance}")
-    report.append({
-        "layout": layout.name, "model": model, "dtype": dtype, "ranks": layout.ranks,
+    _record({
+        "layout": layout.name, "model": model, "dtype": dtype, "ranks": layout.ranks, "device": DEVICE,
         "reference": _reference_key(layout, model, dtype).split(": ", 1)[1] + (" (bf16)" if dtype != "float32" else ""),
         "tolerance": tolerance, "max_loss_diff": loss_diff, "max_grad_norm_rel_diff": norm_rel,
         "max_param_grad_rel_diff": param_diff, "param_grad_tolerance": param_tol,
         "host_syncs_per_step": max((s for s in syncs if s is not None), default=None),
         "expected_host_syncs": expected_syncs, "precondition_violations": violations,
         "passed": not failures, "failures": failures, "seconds": result.get("seconds"),
-    })  # fmt: skip
+    }, report)  # fmt: skip
     assert not failures, "\n".join(failures)
+
+
+def _record(entry: dict, report: list) -> None:
+    """Into the module's report, and at once as a line of $PLAIT_PARITY_JSONL (the lease's
+    parity.jsonl: what finished is kept when its time runs out)."""
+    report.append(entry)
+    path = os.environ.get("PLAIT_PARITY_JSONL")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+
+def test_the_cuda_subset_is_drawn_from_the_matrix():
+    """Every CUDA entry is a CPU matrix entry (the same Layout: same settings, same tolerances),
+    and the subset covers what issue 50 asks of a GPU: FSDP, HSDP, TP + SP + loss parallel, the
+    three CP methods with document masks, dropless and capacity EP, FSDP x EP, two pipeline
+    schedules, float8 rowwise under FSDP x TP, MTP under PP, on 2 and 4 ranks, fp32 and bf16."""
+    by_name = {layout.name: layout for layout in LAYOUTS}
+    assert set(CUDA_SUBSET) <= set(by_name), sorted(set(CUDA_SUBSET) - set(by_name))
+    cuda, cpu = entries_for("cuda"), entries_for("cpu")
+    assert {layout.name for layout, _, _ in cuda} == set(CUDA_SUBSET)  # each name runs
+    assert all(entry in cpu for entry in cuda) and len(cpu) == len(ALL_ENTRIES)
+    layouts = [by_name[name] for name in CUDA_SUBSET]
+    assert {layout.ranks for layout in layouts} == {2, 4} and {dtype for _, _, dtype in cuda} == set(DTYPES)
+    p = [layout.parallelism for layout in layouts]
+    assert {q.get("cp_method") for q in p if q.get("cp")} == {"allgather", "ring", "ulysses"}
+    assert all(by_name[n].model_args == DOCS for n in CUDA_SUBSET if by_name[n].parallelism.get("cp"))
+    assert any(q.get("dp_replicate") == 2 for q in p) and any(q.get("expert_capacity_factor") for q in p)
+    assert any(q.get("ep") and layout.dims().efsdp > 1 for q, layout in zip(p, layouts))
+    assert {q.get("pipeline_schedule") for q in p} >= {"1F1B", "Interleaved1F1B"}
+    assert any(layout.training.get("float8") == "rowwise" and layout.dims().tp == 2 and layout.dims().dp_shard == 2
+               for layout in layouts)  # fmt: skip
+    assert any(layout.model_args.get("mtp_layers") and layout.dims().pp == 2 for layout in layouts)

@@ -46,6 +46,10 @@ def test_cli_errors_in_a_subprocess(args, message):
         ),
         (["--parallelism.ep", "2", "--nproc-per-node", "2"], "install plait-expertparallel"),
         (["--model.flavor", "debugmode"], "Did you mean debugmodel?"),
+        # ranks that share a GPU need gloo; nccl needs CUDA (these tests run without a GPU)
+        (["--nproc-per-node", "2", "--comm.backend", "nccl"], "comm.backend = nccl needs CUDA GPUs and this machine"),
+        (["--comm.backend", "nccl"], "use --comm.backend gloo (or auto)"),
+        (["--comm.backend", "mpi"], "comm.backend"),
         (["--training.steps", "0"], "training.steps = 0: must be >= 1"),
         (["--data.val_dataset", "", "--data.val_interval", "5"], "data.val_dataset is empty"),
         (["--optimizer.lr", "nan"], "optimizer.lr = 'nan': must be a finite number"),

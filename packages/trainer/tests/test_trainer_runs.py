@@ -56,8 +56,9 @@ def test_default_run_trains_and_writes_metrics(one_rank):
 
 
 def test_two_rank_fsdp_matches_one_rank(one_rank, tmp_path):
+    # comm.backend gloo: what ranks sharing a GPU run (on CPU gloo is auto's choice too)
     dump = tmp_path / "fsdp2"
-    result = run_cli(dump, "--nproc-per-node", "2", "--training.local_batch_size", "4")
+    result = run_cli(dump, "--nproc-per-node", "2", "--training.local_batch_size", "4", "--comm.backend", "gloo")
     assert "dp mode fsdp" in result.stdout
     rows = read_metrics(dump)
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))

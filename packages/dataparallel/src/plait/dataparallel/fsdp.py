@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from plait.mesh import Meshes
+from plait.mesh import Meshes, collectives_on_gloo
 
 from .config import DataParallelConfig
 from .cpu_overlap import overlap_on_cpu
@@ -84,19 +84,22 @@ def shard_module(
         ignored_params=ignored_params or None,
     )
     if gradient_divide_factor is not None:
-        _set_divide_factor(module, gradient_divide_factor, mesh.device_type)
-    if mesh.device_type == "cpu":
-        for unit in module if isinstance(module, list) else [module]:
-            unit.set_custom_all_gather(ByteAllGather())  # float8 weights gathered as bytes on gloo
+        module.set_gradient_divide_factor(gradient_divide_factor)
+    if collectives_on_gloo(mesh):
+        reduce_on_gloo(module, mesh, custom_factor=gradient_divide_factor is not None)
     return module
 
 
-def _set_divide_factor(module: FSDPModule, factor: float, device_type: str) -> None:
-    module.set_gradient_divide_factor(factor)
-    if device_type == "cpu":
-        # A custom factor becomes PREMUL_SUM, which gloo does not have: reduce with SUM and
-        # divide afterwards instead.
-        module.set_force_sum_reduction_for_comms(True)
+def reduce_on_gloo(module: FSDPModule | list, mesh: DeviceMesh, custom_factor: bool = False) -> None:
+    """Gloo's collectives (CPU, or CUDA ranks sharing a GPU): float8 weights gathered as bytes
+    (gloo has no float8 type), and reductions as SUM with FSDP dividing where gloo would be asked
+    for more: a custom factor becomes PREMUL_SUM, which gloo does not have; on CUDA tensors gloo's
+    reduce-scatter is an all-reduce of a copy, whose AVG support differs between torch versions.
+    (On CPU plait's all-to-all reduce-scatter averages itself: cpu_overlap.py.)"""
+    for unit in module if isinstance(module, list) else [module]:
+        unit.set_custom_all_gather(ByteAllGather())
+        if custom_factor or mesh.device_type != "cpu":
+            unit.set_force_sum_reduction_for_comms(True)
 
 
 def _block_of(path: str, blocks: Sequence[str]) -> str | None:
@@ -195,6 +198,8 @@ def _apply_to_experts(model, meshes, blocks, config, expert_modules):
             # (Not set_gradient_divide_factor: torch 2.13 applies a custom factor twice when there
             # is no reduce-scatter, once in place of it and once after the all-reduce.)
             unit.set_all_reduce_hook(_divide_in_place(factor / mesh.size()))
+            if collectives_on_gloo(mesh) and mesh.device_type != "cpu":
+                unit.set_force_sum_reduction_for_comms(True)
         else:
             last = block is None or block == last_block
             reshard = _reshard(config.reshard_after_forward, _shard_size(mesh), last=last)

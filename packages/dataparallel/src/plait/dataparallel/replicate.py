@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.nn.parallel import DistributedDataParallel
 
-from plait.mesh import Meshes
+from plait.mesh import Meshes, collectives_on_gloo
 
 from .config import DataParallelConfig
 from .precision import mixed_precision_policy, offload_policy
@@ -36,7 +36,12 @@ def apply_replicate(
         offload_policy=offload_policy(config, mesh.device_type),
     )
     units = [replicate(modules[path], **kwargs) for path in blocks]
-    replicate(model, **kwargs)
+    root = replicate(model, **kwargs)
+    if collectives_on_gloo(mesh) and mesh.device_type != "cpu":
+        # CUDA ranks sharing a GPU: all-reduce with SUM and let FSDP divide (gloo's AVG on CUDA
+        # tensors differs between torch versions; see fsdp.reduce_on_gloo).
+        for unit in [*units, root]:
+            unit.set_force_sum_reduction_for_comms(True)
     if config.prefetch:
         # replicate has nothing to all-gather unless parameters are cast or offloaded; the hooks are
         # the same as FSDP's, so the same explicit ordering applies.

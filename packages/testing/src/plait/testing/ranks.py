@@ -1,9 +1,13 @@
-"""Run a function on N CPU ranks with gloo, for tests.
+"""Run a function on N ranks with gloo, for tests: on the CPU, or on CUDA with ranks sharing the GPUs.
 
 Every package's multi-rank tests use this: each rank is a process with one intra-op thread, the
 function's return values come back as a list indexed by rank, a rank's exception is re-raised in
 the caller with that rank's traceback, and a run that does not finish within `timeout` is killed
 and fails — a test never hangs.
+
+With `device="cuda"` local rank r computes on `cuda:(r % GPUs)` (current device set before the
+process group starts) and the collectives run on CUDA tensors through gloo, point-to-point staged
+through host memory (plait.mesh.host_staging): N ranks on one GPU, which NCCL refuses.
 
 Ranks are forked from a forkserver that has already imported torch, so a rank starts in well
 under a second instead of paying torch's import each time.
@@ -33,7 +37,8 @@ def _context():
     return ctx
 
 
-def _rank_main(rank: int, world_size: int, store_path: str, payload: bytes, sys_path: list[str], results) -> None:
+def _rank_main(rank: int, world_size: int, store_path: str, payload: bytes, sys_path: list[str], results,
+               device: str = "cpu") -> None:
     # The forkserver was started with an earlier sys.path; tests import their helpers by module name.
     sys.path[:] = sys_path
     os.environ.update(
@@ -48,6 +53,8 @@ def _rank_main(rank: int, world_size: int, store_path: str, payload: bytes, sys_
         import torch.distributed as dist
 
         torch.set_num_threads(1)
+        if device == "cuda":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         fn, args, kwargs = pickle.loads(payload)
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(
@@ -57,6 +64,10 @@ def _rank_main(rank: int, world_size: int, store_path: str, payload: bytes, sys_
         # makes no collective (and so exits at once) otherwise closed its sockets while a slower
         # peer was still connecting, and that peer failed in init ("Connection closed by peer";
         # seen once in CI on a loaded machine).
+        if device == "cuda":
+            from plait.mesh.host_staging import install_host_staging
+
+            install_host_staging()
         dist.barrier()
         try:
             result = fn(rank, world_size, *args, **kwargs)
@@ -87,12 +98,25 @@ def _first_error(results, first: tuple[float, int, str]) -> tuple[int, str]:
     return rank, data
 
 
-def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, **kwargs: Any) -> list:
+def _check_device(device: str) -> None:
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"run_on_ranks(device={device!r}): pick 'cpu' or 'cuda'.")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("run_on_ranks(device='cuda') needs a CUDA GPU, and this machine has none.")
+
+
+def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, device: str = "cpu",
+                 **kwargs: Any) -> list:
     """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` gloo ranks; return each rank's result.
 
     `fn` must be importable by name (a module-level function). The process group is initialised
-    before `fn` runs and destroyed after it returns.
+    before `fn` runs and destroyed after it returns. `device`: "cpu", or "cuda" (ranks share the
+    machine's GPUs, see the module docstring).
     """
+    _check_device(device)
     ctx = _context()
     results = ctx.Queue()
     payload = pickle.dumps((fn, args, kwargs))
@@ -101,7 +125,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
         procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(rank, world_size, store_path, payload, list(sys.path), results),
+                args=(rank, world_size, store_path, payload, list(sys.path), results, device),
                 daemon=True,
             )
             for rank in range(world_size)

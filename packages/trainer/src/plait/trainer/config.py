@@ -30,6 +30,7 @@ except ImportError:  # Python 3.10
 from .sections import (  # noqa: F401  (the sections are imported from here too)
     SECTIONS,
     CheckpointConfig,
+    CommConfig,
     Config,
     DataConfig,
     JobConfig,

@@ -234,11 +234,17 @@ def _vocab(model: nn.Module) -> int:
 
 
 def device_memory(local_ranks: int = 1) -> tuple[int, str]:
-    """(bytes one rank may use, a description): the GPU's total memory, or on CPU the available
-    system memory shared by this node's `local_ranks` ranks."""
+    """(bytes one rank may use, a description): the GPU's total memory (its share where ranks share
+    a GPU: comm.backend gloo), or on CPU the available system memory shared by this node's
+    `local_ranks` ranks."""
     if torch.cuda.is_available():
-        index = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
+        gpus = torch.cuda.device_count()
+        index = int(os.environ.get("LOCAL_RANK", 0)) % gpus
         props = torch.cuda.get_device_properties(index)
+        sharing = -(-max(1, local_ranks) // gpus)
+        if sharing > 1:
+            share = props.total_memory // sharing
+            return share, f"{share / GIB:.1f} GiB of {props.name}'s {props.total_memory / GIB:.1f} GiB ({sharing} ranks on it)"
         return props.total_memory, f"{props.name}'s {props.total_memory / GIB:.1f} GiB"
     ranks = max(1, local_ranks)
     available = _available_host_memory()

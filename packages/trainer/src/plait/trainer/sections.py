@@ -1,5 +1,5 @@
-"""The sections of a run's configuration, one dataclass each ([job], [model], [data], [training],
-[parallelism], [optimizer], [lr_scheduler], [checkpoint], [metrics]).
+"""The sections of a run's configuration, one dataclass each ([job], [comm], [model], [data],
+[training], [parallelism], [optimizer], [lr_scheduler], [checkpoint], [metrics]).
 
 Every field is documented by the string literal under it: `plait-train --help` prints those docs
 (config.py reads them), so the text under a field is its user-facing documentation.
@@ -26,6 +26,16 @@ class JobConfig:
     """Seconds a collective waits for a rank that does not join (a stalled or stopped process, a
     lost node) before it fails (exit 74, naming the rank it waited on: see heartbeat.py). Large
     enough for the slowest checkpoint load or compile of a step; lower it to fail a hang sooner."""
+
+
+@dataclass
+class CommConfig:
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Collective backend. auto: nccl where each local rank has a GPU of its own, gloo on CPU. nccl:
+    as auto, refused without CUDA. gloo: on a CUDA machine local rank r computes on cuda:(r % GPUs),
+    so several ranks may share one GPU (NCCL refuses that), with collectives on CUDA tensors through
+    gloo and host memory: slow, for testing every layout on one GPU; point-to-point is staged by
+    plait-mesh. More local ranks than GPUs is refused under auto and nccl."""
 
 
 @dataclass
@@ -303,6 +313,7 @@ class MetricsConfig:
 @dataclass
 class Config:
     job: JobConfig = field(default_factory=JobConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)

@@ -58,7 +58,7 @@ class Trainer:
         self.plan = validate(config, check_memory=True)  # before any collective
         _set_determinism(config)
         cpu_bf16.set_route(config.training.cpu_bf16)  # the models' CPU kernels; context parallel's follow
-        self.dist = init_distributed(timeout_s=config.job.collective_timeout_s)
+        self.dist = init_distributed(config.comm.backend, timeout_s=config.job.collective_timeout_s)
         self.device = self.dist.device
         self.rank = self.dist.rank
         self.lock = take_run_locks(config, self.rank)

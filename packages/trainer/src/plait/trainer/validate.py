@@ -19,6 +19,7 @@ from .config import Config, ConfigError
 from .data_checks import build_checked_tokenizer, check_data
 from .float8 import check_float8
 from .float8_experts import check_float8_experts
+from .machine_checks import check_comm, check_memory_fits
 from .model_args import model_spec, resolve_model_args
 from .mtp import check_mtp_stages
 from .parallel_settings import cp_config, ep_config, optional_parallel_module, pipeline_microbatches, tp_config
@@ -253,6 +254,8 @@ def validate(config: Config, world_size: int | None = None, check_memory: bool =
         for axis in ("tp", "cp", "ep", "pp") if getattr(dims, axis) > 1
     }
     _check_checkpoint(config, world_size)
+    if need_data:  # the run starts here (plait-plan plans for another machine)
+        check_comm(config, world_size)
     _check_folders(config)
     check_wandb(config)  # metrics.wandb needs wandb importable
     spec = model_spec(config)
@@ -280,7 +283,7 @@ def validate(config: Config, world_size: int | None = None, check_memory: bool =
     if config.training.compile_mode != "default":
         _validate_cuda_graphs(config, dims)
     if check_memory:
-        _check_memory(config, dims, model, info, world_size)
+        check_memory_fits(config, dims, model, info, world_size)
     return RunPlan(dims, model_args, model, info, tokenizer, full_init, parallel_modules)
 
 
@@ -334,20 +337,6 @@ def _validate_cuda_graphs(config: Config, dims: ParallelDims) -> None:
             "step, which a CUDA graph cannot follow; use dp_shard = cp = 1 (replicate, DDP, TP, expert capacity "
             "mode without expert FSDP) or compile_mode = default."
         )
-
-
-def _check_memory(config: Config, dims: ParallelDims, model: nn.Module, info: dict, world_size: int) -> None:
-    """The estimated per-rank peak fits the device (a one-line refusal, not an allocator traceback)."""
-    if not config.training.memory_check or config.checkpoint.create_seed_checkpoint:
-        return  # a seed checkpoint neither trains nor builds optimizer state
-    if torch.cuda.is_available() and "LOCAL_RANK" not in os.environ and world_size > 1:
-        return  # the launcher: each rank checks its own GPU; the launcher must not touch CUDA
-    from .memory_estimate import memory_problem
-
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or world_size)
-    problem = memory_problem(config, dims, model, info, local_ranks)
-    if problem:
-        raise ConfigError(problem)
 
 
 def _validate_tp(tp_module, model: nn.Module, info: dict, dims: ParallelDims, config: Config) -> None:
