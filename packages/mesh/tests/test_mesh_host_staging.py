@@ -62,6 +62,12 @@ def _staged_point_to_point(rank: int, world_size: int) -> dict:
     for work in sends + recvs:
         work.wait()
     out["isend"] = [t.tolist() for t in received]
+    # waiting on the last work completes the ones issued before it (a schedule that waits on one)
+    received = [torch.empty(2) for _ in range(3)]
+    works = [dist.isend(torch.full((2,), float(rank + i)), peer) for i in range(3)]
+    works += [dist.irecv(t, peer) for t in received]
+    works[-1].wait()
+    out["last_only"] = [t.tolist() for t in received] + [all(w.is_completed() for w in works)]
     # blocking send / recv, and recv's return value (the sender's rank)
     t = torch.arange(4.0) + rank
     if rank == 0:
@@ -89,6 +95,7 @@ def test_staged_point_to_point_matches_gloos_own():
         assert out["kinds"] == [StagedWork.__name__] and out["batch_kinds"] == [StagedWork.__name__]
         assert out["isend"] == [[float(10 * peer + i)] * 3 for i in range(3)]
         assert out["batch"] == [float(peer)]
+        assert out["last_only"] == [[float(peer + i)] * 2 for i in range(3)] + [True]
         for name, grad in out["pipeline_native"].items():
             assert torch.equal(grad, out["pipeline_staged"][name]), name
     assert results[1]["recv_from"] == 0 and results[1]["recv"] == [0.0, 1.0, 2.0, 3.0]

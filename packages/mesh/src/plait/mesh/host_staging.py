@@ -13,7 +13,8 @@ corrupts. Pipeline stages and ring attention move CUDA tensors with isend / irec
   so it reads the value the stream has computed); one staging thread per process waits for that
   copy and hands the host buffer to gloo, as gloo's own CUDA work does on its thread;
 - receive: gloo receives into pinned memory; `wait()` waits for it and copies it to the tensor
-  without blocking the host (on the stream that waits, before anything there reads it).
+  without blocking the host (on the stream that waits, before anything there reads it). Waiting
+  on a work completes the staged works issued before it too.
 
 Staged operations are issued in the order they were called (one thread, first in first out),
 which is the order gloo matches messages between two ranks in. The training thread never blocks
@@ -33,25 +34,42 @@ import torch.distributed.distributed_c10d as c10d
 STAGED = ("send", "recv", "isend", "irecv")
 _original: dict = {}
 _state = {"stage_cpu": False, "pool": None}
-_lock = threading.Lock()
+_lock = threading.RLock()
+_outstanding: list = []  # staged works not yet completed, in the order they were issued
 
 
 class StagedWork(dist.Work):
-    """A staged send or receive: `wait()` waits for gloo's transfer of the host buffer, then (a
-    receive) copies it into the tensor on the current stream."""
+    """A staged send or receive. `wait()` completes it and every staged work issued before it in
+    this process (their order on the wire): it waits for gloo's transfer of each host buffer and
+    copies each received one into its tensor on the current stream. So a caller that waits only
+    on the last work of a batch (some torch versions' pipeline schedules) still has all of it."""
 
     def __init__(self, issued: Future, tensor: torch.Tensor | None = None, host: torch.Tensor | None = None):
         super().__init__()
         self._issued, self._tensor, self._host = issued, tensor, host
         self._done = False
+        self._finished = threading.Event()
+        with _lock:
+            _outstanding.append(self)
 
     def wait(self, timeout=None) -> bool:
-        if not self._done:
-            self._issued.result().wait()
-            if self._tensor is not None:
-                self._tensor.copy_(self._host, non_blocking=self._host.is_pinned())
-            self._done = True
+        with _lock:
+            if self not in _outstanding:  # done, or being completed by another thread's wait
+                earlier = []
+            else:
+                position = _outstanding.index(self)
+                earlier, _outstanding[: position + 1] = _outstanding[: position + 1], []
+        for work in earlier:
+            work._complete()
+        self._finished.wait()
         return True
+
+    def _complete(self) -> None:
+        self._issued.result().wait()
+        if self._tensor is not None:
+            self._tensor.copy_(self._host, non_blocking=self._host.is_pinned())
+        self._done = True
+        self._finished.set()
 
     def is_completed(self) -> bool:
         return self._done
