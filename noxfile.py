@@ -219,5 +219,12 @@ def reliability(session: nox.Session) -> None:
 def gpu(session: nox.Session) -> None:
     """The GPU suite (gpu/run.py) with the python that runs nox, whose torch must be a CUDA build:
     this checkout's packages go on PYTHONPATH, nothing is installed. Without CUDA: one line, exit 0.
-    `nox -s gpu -- --dry-run-cpu` runs it on the CPU (cuda_only tests skipped). Not part of -t test."""
+    `nox -s gpu -- --dry-run-cpu` runs it on the CPU (cuda_only tests skipped). Not part of -t test.
+    Then the parity matrix's CUDA subset, ranks sharing the GPU (gpu/parity.py; one line per entry
+    in .nox/reports/parity_cuda.jsonl)."""
     session.run("python", str(ROOT / "gpu" / "run.py"), *session.posargs)
+    REPORTS.mkdir(parents=True, exist_ok=True)
+    jsonl = REPORTS / "parity_cuda.jsonl"
+    jsonl.unlink(missing_ok=True)
+    dry = ["--dry-run-cpu"] if "--dry-run-cpu" in session.posargs else []
+    session.run("python", str(ROOT / "gpu" / "parity.py"), "--jsonl", str(jsonl), *dry)

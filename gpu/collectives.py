@@ -88,7 +88,8 @@ def _run_op(name: str, rank: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     return got, every[peer]
 
 
-def _rank(rank: int, store_path: str, device_kind: str, names: list[str], staged: bool, progress: str) -> None:
+def _rank(rank: int, store_path: str, device_kind: str, names: list[str], progress: str) -> None:
+    """Each of `names` in turn ("native NAME", then "staged NAME" once plait's staging is on)."""
     torch.set_num_threads(1)
     device = torch.device("cpu")
     if device_kind == "cuda":
@@ -96,15 +97,16 @@ def _rank(rank: int, store_path: str, device_kind: str, names: list[str], staged
         torch.cuda.set_device(device)
     store = dist.FileStore(store_path, WORLD)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=30))
-    if staged:
-        from plait.mesh.host_staging import install_host_staging
-
-        install_host_staging(stage_cpu=device_kind == "cpu")
     for name in names:
+        way, op = name.split(" ", 1)
+        if way == "staged":
+            from plait.mesh.host_staging import install_host_staging
+
+            install_host_staging(stage_cpu=device_kind == "cpu")
         with open(progress, "a") as f:
             f.write(json.dumps({"rank": rank, "op": name, "state": "started"}) + "\n")
         try:
-            out, want = _run_op(name, rank, device)
+            out, want = _run_op(op, rank, device)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             result = "ok" if torch.equal(out.cpu(), want.cpu()) else f"wrong: {out.cpu().tolist()} != {want.cpu().tolist()}"
@@ -115,7 +117,7 @@ def _rank(rank: int, store_path: str, device_kind: str, names: list[str], staged
     dist.destroy_process_group()
 
 
-def _spawn(device: str, names: list[str], staged: bool, timeout: float) -> dict[str, str]:
+def _spawn(device: str, names: list[str], timeout: float) -> dict[str, str]:
     """Run `names` in order on two fresh ranks; on a crash or a hang, start again after that op."""
     outcome: dict[str, str] = {}
     ctx = mp.get_context("spawn")
@@ -123,7 +125,7 @@ def _spawn(device: str, names: list[str], staged: bool, timeout: float) -> dict[
         todo = [n for n in names if n not in outcome]
         with tempfile.TemporaryDirectory() as tmp:
             progress = os.path.join(tmp, "progress.jsonl")
-            procs = [ctx.Process(target=_rank, args=(r, os.path.join(tmp, "store"), device, todo, staged, progress))
+            procs = [ctx.Process(target=_rank, args=(r, os.path.join(tmp, "store"), device, todo, progress))
                      for r in range(WORLD)]  # fmt: skip
             for p in procs:
                 p.start()
@@ -162,9 +164,11 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu/collectives.py: no CUDA device: nothing probed (--device cpu for the dry run).")
         return 0
     names = list(OPS)
-    native = _spawn(args.device, names, staged=False, timeout=args.timeout)
-    staged_names = [n for n in names if OPS[n][1]]
-    staged = _spawn(args.device, staged_names, staged=True, timeout=args.timeout)
+    # Native first; the staged ones last, in the same ranks (staging, once on, stays on).
+    outcome = _spawn(args.device, [f"native {n}" for n in names] + [f"staged {n}" for n in names if OPS[n][1]],
+                     timeout=args.timeout)  # fmt: skip
+    native = {n: outcome[f"native {n}"] for n in names}
+    staged = {n: outcome[f"staged {n}"] for n in names if OPS[n][1]}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     with args.json.open("a") as f:
         for name in names:

@@ -8,14 +8,19 @@
 #   python benchmarks/lease_table.py <the files that came back> --results benchmarks/RESULTS.md
 #   bash gpu/lease.sh --dry-run     on a CPU: every stage but the CUDA work (tests/test_combo_lease_dry_run.py)
 #
-# Options: --total S (default 520: the whole command), --suite S (150), --varlen S (75); 0 skips a
-# stage. --runs CONFIG:MASK:MODE,... (benchmarks/gpu.py's, in priority order), --steps N --warmup N
+# Options: --total S (default 520: the whole command), --collectives S (45), --suite S (120),
+# --parity S (200), --varlen S (75); 0 skips a stage. --runs CONFIG:MASK:MODE,... (benchmarks/gpu.py's, in priority order), --steps N --warmup N
 # (10, 4), --batch-16b N (1: DeepSeek's local batch), --torchtitan-version auto|0.3.0|0.2.2 (auto:
 # the one that fits the torch; a dry run here checks 0.2.2's command lines with 0.2.2's parser).
 # Arguments after `--` go to pytest (the suite). PLAIT_WHEELS=DIR: another wheel folder than .whl
 # (its torchtitan/ and torchtitan-0.2/ subfolders likewise). Everything lands in $OUT (default
 # /tmp/plait-gpu; a new temp folder for --dry-run), the only folder a device call brings back:
 #   env.txt, stages.tsv   the machine, torch, commit; each stage's exit code, seconds and limit
+#   collectives.jsonl     gpu/collectives.py: which collectives gloo runs natively on CUDA tensors
+#                         (2 ranks on the GPU), and plait's host-staged send / recv
+#   parity.jsonl, .log    gpu/parity.py: the parity matrix's CUDA subset, 2 and 4 ranks sharing the
+#                         GPU over gloo, each entry against one rank on it (one line per entry), and
+#                         a transformers model under FSDP 2 x TP 2
 #   suite.log             gpu/run.py: every CUDA-only branch against its reference (the varlen tests too)
 #   signature.txt         plait.models.document_attention.flash_signature(): the varlen signature found
 #   varlen.jsonl, .log    benchmarks/bench_varlen.py: one call vs per segment, Llama 3 8B dims, seq 8192
@@ -28,14 +33,18 @@
 # Budget (TOTAL_S = 520 s for the command; the device call's timeout_s 540 holds it, the machine's
 # start is extra). Each stage runs under `timeout`, which signals its whole process group:
 #   stage      limit                       expected on an H100 (first lease, 2026-11-27)
-#   setup      3 x 120 s (pip)             ~15 s: the wheels into three temp target dirs, env.txt
-#   suite      150 s                       ~90 s, plus the varlen tests
+#   setup      4 x 120 s (pip)             ~15 s: the wheels into four temp target dirs, env.txt
+#   collectives 45 s                       not yet measured (two starts of 2 ranks, more after a crash)
+#   suite      120 s                       ~90 s, plus the varlen tests
+#   parity     200 s                       not yet measured (~70 short runs; what finished is kept)
+#   bench      what is left, less 30 s     the first 4 runs: plait vs torchtitan, compiled, both configs
 #   signature  30 s                        ~5 s
 #   varlen     75 s                        ~20 s
-#   bench      what is left, less 30 s     18 runs of ~25-45 s (compile start-up dominates), most wanted
-#                                          first; gpu.py starts a run only with 40 s left (one run at
-#                                          most 150 s) and records the rest as not run
+#   bench_rest what is left, less 30 s     the other 14 runs of ~25-45 s (compile start-up dominates),
+#                                          most wanted first; gpu.py starts a run only with 40 s left
+#                                          (one run at most 150 s) and records the rest as not run
 #   table      15 s                        ~1 s
+# Order: what issue 50 needs first (collectives, the suite, parity, plait vs torchtitan), then the rest.
 # What that python lacks travels as wheels in .whl: plait's (`datasets` and two of its needs) go in
 # one target dir on PYTHONPATH for everything; torchtitan's (with the older `datasets` it pins) in
 # another, one per version: 0.3.0's (gpu.py --torchtitan-path) and 0.2.2's (--torchtitan-022-path),
@@ -44,7 +53,7 @@
 # gpu/run.py does, so nothing is built there.
 set -u
 cd "$(dirname "$0")/.."
-DRY=0 TOTAL_S=520 SUITE_S=150 VARLEN_S=75 STEPS=10 WARMUP=4 BATCH_16B=1 TT_VERSION=auto
+DRY=0 TOTAL_S=520 COLLECTIVES_S=45 SUITE_S=120 PARITY_S=200 VARLEN_S=75 STEPS=10 WARMUP=4 BATCH_16B=1 TT_VERSION=auto
 RUNS=llama3-8B:causal:compile,llama3-8B:causal:torchtitan,deepseek-16B:causal:compile,deepseek-16B:causal:torchtitan
 RUNS+=,llama3-8B:causal:float8rw,llama3-8B:causal:float8tw,deepseek-16B:causal:float8rw,deepseek-16B:causal:float8x
 RUNS+=,llama3-8B:document:compile,deepseek-16B:document:compile
@@ -55,7 +64,9 @@ while [ $# -gt 0 ]; do
     case $1 in
         --dry-run) DRY=1 ;;
         --total) TOTAL_S=$2; shift ;;
+        --collectives) COLLECTIVES_S=$2; shift ;;
         --suite) SUITE_S=$2; shift ;;
+        --parity) PARITY_S=$2; shift ;;
         --varlen) VARLEN_S=$2; shift ;;
         --runs) RUNS=$2; shift ;;
         --steps) STEPS=$2; shift ;;
@@ -106,7 +117,8 @@ WHL=${PLAIT_WHEELS:-.whl}  # the test's dry run points it at wheels it made
 SITE=$(install_wheels "$WHL")
 TT_SITE=$(install_wheels "$WHL/torchtitan")
 TT022_SITE=$(install_wheels "$WHL/torchtitan-0.2")
-trap 'rm -rf "$SITE" "$TT_SITE" "$TT022_SITE"' EXIT
+TF_SITE=$(install_wheels "$WHL/transformers")  # the parity stage's transformers model only
+trap 'rm -rf "$SITE" "$TT_SITE" "$TT022_SITE" "$TF_SITE"' EXIT
 printf 'setup\t0\t%s\t360\n' "$((SECONDS - t0))" >>"$OUT/stages.tsv"
 # plait's wheels go on PYTHONPATH where they were built for (the GPU machine); a dry run only
 # checks that they install: this python has its own.
@@ -134,11 +146,19 @@ print('python:', platform.python_version()); print('torch:', torch.__version__);
     echo "plait wheels: ${SITE:-none}"
     echo "torchtitan: ${TT_SITE:-none}"
     echo "torchtitan 0.2: ${TT022_SITE:-none}"
+    echo "transformers: ${TF_SITE:-none}"
     echo "total_s: $TOTAL_S"
     echo "steps: $STEPS"
     echo "warmup: $WARMUP"
     echo "runs: $RUNS"
 } 2>&1 | tee "$OUT/env.txt"
+
+# ---- collectives: which collectives gloo runs on CUDA tensors natively, and plait's staged ones
+if [ "$COLLECTIVES_S" -gt 0 ]; then
+    COLL=(--json "$OUT/collectives.jsonl")
+    [ $DRY = 1 ] && COLL+=(--device cpu)
+    stage collectives "$COLLECTIVES_S" collectives.log $PY gpu/collectives.py "${COLL[@]}"
+fi
 
 # ---- suite: every CUDA-only branch against its reference (a hung test fails at 120 s);
 # the dry run collects it (every test module imports), runs none
@@ -149,6 +169,35 @@ if [ "$SUITE_S" -gt 0 ]; then
         stage suite "$SUITE_S" suite.log $PY gpu/run.py -- --timeout=120 --durations=15 "${PYTEST_ARGS[@]}"
     fi
 fi
+
+# ---- parity: the parity matrix's CUDA subset, ranks sharing the GPU over gloo (the dry run: one
+# entry on the CPU); a transformers model under FSDP 2 x TP 2 first
+if [ "$PARITY_S" -gt 0 ]; then
+    PARITY=(--jsonl "$OUT/parity.jsonl")
+    [ -n "$TF_SITE" ] && PARITY+=(--transformers-path "$TF_SITE")
+    [ $DRY = 1 ] && PARITY+=(--dry-run-cpu)
+    stage parity "$PARITY_S" parity.log $PY gpu/parity.py "${PARITY[@]}" -- --timeout=$((PARITY_S - 10))
+fi
+
+# ---- bench: plait and torchtitan training steps, in RUNS order, until the budget is spent: the
+# first four (plait vs torchtitan, compiled, both configs) before the varlen stages, the rest after
+bench() {  # bench STAGE RUNS
+    local left=$((TOTAL_S - (SECONDS - START) - 30))
+    if [ "$left" -le 60 ]; then
+        printf '%s\tskipped\t0\t%s\n' "$1" "$left" >>"$OUT/stages.tsv"
+        return 0
+    fi
+    BENCH=(--runs "$2" --steps "$STEPS" --warmup "$WARMUP" --batch-16b "$BATCH_16B" --profile --no-results --deadline $((left - 25))
+           --run-timeout 150 --min-run-s 40 --json "$OUT/bench.jsonl" --logs "$OUT/runs" --torchtitan-version "$TT_VERSION"
+           --tt-tokenizer "$(realpath -m "$WHL/torchtitan-tokenizer")")
+    [ -n "$TT_SITE" ] && BENCH+=(--torchtitan-path "$TT_SITE")
+    [ -n "$TT022_SITE" ] && BENCH+=(--torchtitan-022-path "$TT022_SITE")
+    [ $DRY = 1 ] && BENCH+=(--dry-run)
+    stage "$1" "$left" "$1.log" $PY benchmarks/gpu.py "${BENCH[@]}"
+}
+FIRST_RUNS=$(echo "$RUNS" | cut -d, -f1-4)
+REST_RUNS=$(echo "$RUNS" | cut -s -d, -f5-)
+bench bench "$FIRST_RUNS"
 
 # ---- signature: which varlen signature the op found in this torch
 stage signature 30 signature.txt $PY -c \
@@ -161,19 +210,7 @@ if [ "$VARLEN_S" -gt 0 ]; then
     stage varlen "$VARLEN_S" varlen.log $PY benchmarks/bench_varlen.py --json "$OUT/varlen.jsonl" "${DEVICE[@]}"
 fi
 
-# ---- bench: plait and torchtitan training steps, in RUNS order, until the budget is spent
-LEFT=$((TOTAL_S - (SECONDS - START) - 30))
-if [ "$LEFT" -gt 60 ]; then
-    BENCH=(--runs "$RUNS" --steps "$STEPS" --warmup "$WARMUP" --batch-16b "$BATCH_16B" --profile --no-results --deadline $((LEFT - 25))
-           --run-timeout 150 --min-run-s 40 --json "$OUT/bench.jsonl" --logs "$OUT/runs" --torchtitan-version "$TT_VERSION"
-           --tt-tokenizer "$(realpath -m "$WHL/torchtitan-tokenizer")")
-    [ -n "$TT_SITE" ] && BENCH+=(--torchtitan-path "$TT_SITE")
-    [ -n "$TT022_SITE" ] && BENCH+=(--torchtitan-022-path "$TT022_SITE")
-    [ $DRY = 1 ] && BENCH+=(--dry-run)
-    stage bench "$LEFT" bench.log $PY benchmarks/gpu.py "${BENCH[@]}"
-else
-    printf 'bench\tskipped\t0\t%s\n' "$LEFT" >>"$OUT/stages.tsv"
-fi
+[ -n "$REST_RUNS" ] && bench bench_rest "$REST_RUNS"
 
 # ---- table: all of it as one RESULTS.md section, $OUT/table.md
 stage table 15 table.log $PY benchmarks/lease_table.py "$OUT"

@@ -15,6 +15,11 @@
 #                                DataParallelMeshDims, new in torch 2.12, so on the image's torch 2.11
 #                                benchmarks/gpu.py runs 0.2.2, the last release without it
 #   .whl/torchtitan-tokenizer/   the tokenizer torchtitan's runs read (from shared/bench)
+#   .whl/transformers/*.whl      transformers 5.24 (the version the CPU suite tests) and what it needs
+#                                that the image may lack: the parity stage's transformers model only
+#                                (gpu/parity.py --transformers-path), a folder of its own so that its
+#                                huggingface_hub never shadows plait's for the other stages. typer
+#                                (its command line) is left out: `import transformers` does not need it
 #
 # The torchtitan set is torchtitan 0.3.0's Requires-Dist (`pip download torchtitan==0.3.0 --no-deps`,
 # its METADATA) resolved for cp312 manylinux, less torch / triton / the nvidia libraries, what the
@@ -51,11 +56,15 @@ download .whl/torchtitan-0.2 "torchtitan==0.2.2"
 # the rest of 0.2.2's set is the 0.3.0 folder's wheels, less the two only 0.3.0 needs
 find .whl/torchtitan -maxdepth 1 -name '*.whl' ! -name 'torchtitan-*' ! -name 'spmd_types-*' \
     ! -name 'torch_checkpointing-*' -exec cp {} .whl/torchtitan-0.2/ \;
+rm -rf .whl/transformers
+download .whl/transformers "transformers==5.24.0" "regex==2026.11.19" "tokenizers==0.23.3" "safetensors==0.8.0" \
+    "huggingface_hub==1.33.0" "hf-xet==1.8.0" "httpx==0.28.1" "httpcore==1.0.9" "h11==0.16.0" "anyio==4.16.0" \
+    "click==8.5.1"
 TOKENIZER=${PLAIT_TT_TOKENIZER:-../shared/bench/torchtitan-tokenizer}
 if [ -d "$TOKENIZER" ]; then
     rm -rf .whl/torchtitan-tokenizer && cp -r "$TOKENIZER" .whl/torchtitan-tokenizer && chmod -R u+w .whl/torchtitan-tokenizer
 else
     echo "gpu/wheels.sh: no torchtitan tokenizer at $TOKENIZER: the lease's torchtitan runs will fail" >&2
 fi
-ls .whl .whl/torchtitan .whl/torchtitan-0.2
+ls .whl .whl/torchtitan .whl/torchtitan-0.2 .whl/transformers
 du -sh .whl

@@ -15,6 +15,9 @@ every rank; it is parallelised only by plan data and package calls, never edited
 Each must match the single-process run: losses at every step within the parity matrix's fp32
 tolerance (1e-5), parameters after the last step within 1e-5 (SGD with momentum).
 
+PLAIT_PARITY_DEVICE=cuda (the GPU lease's parity stage, gpu/parity.py): the same cases on CUDA, the
+ranks sharing the GPU over gloo (comm.backend gloo's path), each against one process on that GPU.
+
 Layout: one function per case (`rank, world_size -> (losses, full parameters)`), listed in CASES
 with its world size and its single-process reference; one spawn per world size runs all of that size's
 cases in turn, on fresh meshes. To add a case (e.g. context parallel, CP 2 per method, FSDP 2 x
@@ -23,6 +26,7 @@ CP 2 x TP 2), write its function and add it to CASES: a new world size gets its 
 
 import ast
 import math
+import os
 import re
 from pathlib import Path
 
@@ -43,6 +47,7 @@ transformers = pytest.importorskip("transformers")
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB = 64, 128, 2, 4, 2, 256
 BATCH, SEQ, STEPS, LR = 4, 64, 4, 0.5
 TIMEOUT = 240
+DEVICE = os.environ.get("PLAIT_PARITY_DEVICE", "cpu")
 
 # The plan from packages/tensorparallel/README.md ("Your own model"), as a user copies it.
 LLAMA_TP_PLAN = {
@@ -91,7 +96,7 @@ def make_model(attn: str = "sdpa", model: str = "llama"):
         attn_implementation=attn,
     )
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).float()
+    return transformers.LlamaForCausalLM(config).float().to(DEVICE)
 
 
 def make_qwen3():
@@ -104,18 +109,18 @@ def make_qwen3():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.add_(torch.randn_like(p) * 0.2)
-    return model
+    return model.to(DEVICE)
 
 
 def batches():
     g = torch.Generator().manual_seed(1)
-    return torch.randint(0, VOCAB, (STEPS, BATCH, SEQ + 1), generator=g)
+    return torch.randint(0, VOCAB, (STEPS, BATCH, SEQ + 1), generator=g).to(DEVICE)
 
 
 def causal_mask_4d() -> torch.Tensor:
     """[1, 1, S, S] additive causal mask of the full sequence (transformers passes a 4D mask on as is)."""
     allowed = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
-    return torch.zeros(SEQ, SEQ).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
+    return torch.zeros(SEQ, SEQ).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None].to(DEVICE)
 
 
 def train(model, dp_rank=0, dp_degree=1, dp_group=None, loss_parallel=False, mask=False, cp_sdpa=None, cp_rank=0):
@@ -128,7 +133,7 @@ def train(model, dp_rank=0, dp_degree=1, dp_group=None, loss_parallel=False, mas
     per = BATCH // dp_degree
     # Positions of the full sequence: under SP, LlamaModel would derive them from the embedding's
     # output, which is a sequence shard (see the README).
-    positions = torch.arange(SEQ)[None]
+    positions = torch.arange(SEQ, device=DEVICE)[None]
     extra = {"attention_mask": causal_mask_4d()} if mask else {}
     losses = []
     for batch in batches():
@@ -154,12 +159,12 @@ def train(model, dp_rank=0, dp_degree=1, dp_group=None, loss_parallel=False, mas
 
 def full_params(model) -> dict[str, torch.Tensor]:
     return {
-        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone() for n, p in model.named_parameters()
     }
 
 
 def _fsdp_tp(world_size: int, sp: bool, lp: bool, attn: str, mask: bool = False, model_name: str = "llama"):
-    meshes = build_meshes(ParallelDims(world_size=world_size, dp_shard=2, tp=2))
+    meshes = build_meshes(ParallelDims(world_size=world_size, dp_shard=2, tp=2), DEVICE)
     config = TensorParallelConfig(sequence_parallel=sp, loss_parallel=lp)
     plan = QWEN3_TP_PLAN if model_name == "qwen3" else LLAMA_TP_PLAN
     model = apply_tensor_parallel(make_model(attn, model_name), meshes.tp, plan, config)
@@ -189,7 +194,7 @@ def _cp(world_size: int, method: str, dp_shard: int = 1, tp: int = 1):
     """Context parallel through transformers' attention interface: ContextParallelSDPA registered as
     an attention implementation (the README's "Your own model"), TP (with SP and loss parallel) by
     plan first, then FSDP over dp_shard x cp."""
-    meshes = build_meshes(ParallelDims(world_size=world_size, dp_shard=dp_shard, cp=2, tp=tp))
+    meshes = build_meshes(ParallelDims(world_size=world_size, dp_shard=dp_shard, cp=2, tp=tp), DEVICE)
     model = make_model("sdpa")
     cp_sdpa = ContextParallelSDPA(meshes.cp, ContextParallelConfig(method))
     transformers.AttentionInterface.register("plait_cp", cp_sdpa.transformers_attention)
@@ -237,6 +242,7 @@ CASES = {
 
 
 def _run_cases(rank, world_size, names):
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS on CUDA
     torch.use_deterministic_algorithms(True)
     return {name: CASES[name][1](rank, world_size) for name in names}
 
@@ -249,7 +255,7 @@ def test_transformers_llama_matches_single_process(world_size):
         attn, mask, *model_name = reference
         model = make_model(attn, *model_name)
         references[reference] = (train(model, mask=mask), full_params(model))
-    results = run_on_ranks(_run_cases, world_size, names, timeout=TIMEOUT)
+    results = run_on_ranks(_run_cases, world_size, names, timeout=TIMEOUT, device=DEVICE)
     for name in names:
         ref_losses, ref_params = references[CASES[name][2]]
         assert all(math.isfinite(x) for x in ref_losses) and ref_losses[-1] < ref_losses[0], ref_losses
