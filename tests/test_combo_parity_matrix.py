@@ -121,6 +121,9 @@ class Layout:
     bf16: bool = True  # DDP: no mixed-precision policy, the trainer refuses bf16
     fp32: bool = True  # the CPU-route entries: bf16 only (an fp32 run takes no bf16 route)
     layers: dict = field(default_factory=dict)  # pipeline parallel: model -> layers_per_stage
+    # Point-to-point staged through host memory on CPU too (plait.mesh.host_staging): on CUDA over
+    # gloo every send / recv is; here the same path runs a pipeline schedule and ring attention.
+    staged: bool = False
 
     def dims(self) -> ParallelDims:
         degrees = {k: v for k, v in self.parallelism.items() if k in {f.name for f in fields(ParallelDims)}}
@@ -205,7 +208,8 @@ LAYOUTS = [
     Layout("TP 2 + SP, sequence-wise aux loss", 2, {"tp": 2}, models=DEEPSEEK, model_args={"aux_loss_coeff": 0.01}),
     Layout("CP 2 all-gather", 2, {"cp": 2, **CP1, "cp_method": "allgather"}),
     Layout("CP 2 ring", 2, {"cp": 2, **CP1, "cp_method": "ring"}),
-    Layout("CP 2 ring, no load balancing", 2, {"cp": 2, **CP1, "cp_method": "ring", "cp_load_balance": False}),
+    Layout("CP 2 ring, no load balancing", 2, {"cp": 2, **CP1, "cp_method": "ring", "cp_load_balance": False},
+           staged=True),
     Layout("CP 2 Ulysses (all-to-all heads)", 2, {"cp": 2, **CP1, "cp_method": "ulysses"}),
     Layout("FSDP 2, full AC, accumulation 2", 2, {},
            {"activation_checkpoint": "full", "gradient_accumulation_steps": 2}),
@@ -229,7 +233,7 @@ LAYOUTS = [
     Layout("PP 2 GPipe", 2, {**PP2, "pipeline_schedule": "GPipe"}, layers=PP2_LAYERS, bf16=False),
     Layout("PP 2 Interleaved1F1B (2 stages per rank)", 2,
            {**PP2, "pipeline_schedule": "Interleaved1F1B", "pipeline_virtual_stages": 2}, layers=PP2V_LAYERS,
-           bf16=False),
+           bf16=False, staged=True),
     Layout("PP 2 ZBVZeroBubble", 2, {**PP2, "pipeline_schedule": "ZBVZeroBubble", "pipeline_virtual_stages": 2},
            layers=PP2V_LAYERS),
     Layout("PP 2 1F1B, document mask, accumulation 2", 2, {**PP2, "pipeline_schedule": "1F1B"},
@@ -484,10 +488,13 @@ def _capture_gradients(
     return param_diffs
 
 
-def _train_each(rank: int, world_size: int, root: str, grads_dir: str, jobs: list[tuple], references: set) -> dict:
+def _train_each(rank: int, world_size: int, root: str, grads_dir: str, jobs: list[tuple], references: set,
+                staged: frozenset = frozenset()) -> dict:
     """On every rank: train each job in turn in this process, under the step sentinel. Rank 0
     returns each job's metrics rows, step-by-step sentinel counts and per-parameter gradient
-    differences from the job's reference (whose gradients earlier jobs wrote to `grads_dir`)."""
+    differences from the job's reference (whose gradients earlier jobs wrote to `grads_dir`).
+    The jobs in `staged` send and receive through host staging (Layout.staged)."""
+    from plait.mesh.host_staging import stage_cpu_tensors, staged_operations
     from plait.testing.sentinel import StepSentinel
     from plait.testing.trainer import read_metrics
     from plait.trainer.cli import parse_args
@@ -496,6 +503,8 @@ def _train_each(rank: int, world_size: int, root: str, grads_dir: str, jobs: lis
 
     results = {}
     for key, model, argv, dtype, reference in jobs:
+        stage_cpu_tensors(key in staged)
+        staged_before = staged_operations()
         started = time.perf_counter()
         dump = os.path.join(root, str(len(results)))
         args = parse_args(["--job.dump_folder", dump, *argv])
@@ -517,6 +526,7 @@ def _train_each(rank: int, world_size: int, root: str, grads_dir: str, jobs: lis
                            sorted(sentinel.off_dtype_kernels.items())],
                 sentinel_report=sentinel.report(),
                 seconds=time.perf_counter() - started,  # this job on every rank (its share of the suite)
+                staged_operations=staged_operations() - staged_before,
             )
     return results
 
@@ -533,7 +543,8 @@ def _run_world(ranks: int, root: Path, grads_dir: Path, entries: list[tuple]) ->
     references = {job[-1] for job in _one_rank_jobs(entries)} | {_reference_key(*entry) for entry in entries}
     # ~10 s per job at 8 ranks on 2 cores (more under the sentinel); bounded so a hang fails.
     timeout = 120 + 60 * len(jobs) * ranks
-    return run_on_ranks(_train_each, ranks, str(root), str(grads_dir), jobs, references, timeout=timeout,
+    staged = frozenset(_key(*entry) for entry in entries if entry[0].staged and entry[0].ranks == ranks)
+    return run_on_ranks(_train_each, ranks, str(root), str(grads_dir), jobs, references, staged, timeout=timeout,
                         device=DEVICE)[0]
 
 
@@ -666,6 +677,8 @@ def test_layout_matches_its_reference(layout, model, dtype, runs, report):
         failures.append(f"the dispatchers count {own} host syncs per step, the sentinel {syncs}")
     if violations:
         failures.append(f"{violations} kernel-precondition violations:\n{result['sentinel_report']}")
+    if layout.staged and DEVICE == "cpu" and not result["staged_operations"]:
+        failures.append("Layout.staged, but no send / recv went through host staging")
     # The fp32 route runs its products in fp32 by design, and so does float8's CPU emulation
     # (dequantized float8 operands): the dtype check is the native route's.
     for run, name in ((result, "this entry"), (reference, "its reference")) if layout.route() == "native" else ():

@@ -33,7 +33,7 @@ import torch.distributed.distributed_c10d as c10d
 
 STAGED = ("send", "recv", "isend", "irecv")
 _original: dict = {}
-_state = {"stage_cpu": False, "pool": None}
+_state = {"stage_cpu": False, "pool": None, "staged": 0}
 _lock = threading.RLock()
 _outstanding: list = []  # staged works not yet completed, in the order they were issued
 
@@ -67,7 +67,8 @@ class StagedWork(dist.Work):
     def _complete(self) -> None:
         self._issued.result().wait()
         if self._tensor is not None:
-            self._tensor.copy_(self._host, non_blocking=self._host.is_pinned())
+            with torch.no_grad():  # a pipeline's receive buffers are leaves that require grad
+                self._tensor.copy_(self._host, non_blocking=self._host.is_pinned())
         self._done = True
         self._finished.set()
 
@@ -96,6 +97,7 @@ def _host_like(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _stage_send(bound: inspect.BoundArguments) -> StagedWork:
+    _state["staged"] += 1
     tensor = bound.arguments["tensor"]
     host = _host_like(tensor)
     host.copy_(tensor, non_blocking=tensor.is_cuda)
@@ -114,6 +116,7 @@ def _stage_send(bound: inspect.BoundArguments) -> StagedWork:
 
 
 def _stage_recv(bound: inspect.BoundArguments) -> StagedWork:
+    _state["staged"] += 1
     tensor = bound.arguments["tensor"]
     host = _host_like(tensor)
     bound.arguments["tensor"] = host
@@ -169,6 +172,19 @@ def install_host_staging(stage_cpu: bool = False) -> None:
             # calls the op it holds: both modules must hold the staged functions.
             setattr(c10d, name, _wrap(name))
             setattr(dist, name, getattr(c10d, name))
+
+
+def stage_cpu_tensors(enabled: bool) -> None:
+    """Tests: stage CPU tensors over gloo too (installing the staging), or stop staging them."""
+    if enabled:
+        install_host_staging(stage_cpu=True)
+    with _lock:
+        _state["stage_cpu"] = enabled
+
+
+def staged_operations() -> int:
+    """Sends and receives staged so far in this process."""
+    return _state["staged"]
 
 
 def host_staging_installed() -> bool:
