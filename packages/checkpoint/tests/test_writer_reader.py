@@ -35,7 +35,7 @@ def _save_and_resume_on_rank(rank, world, folder):
         writer.save(step, {"model": model.state_dict()}, {"step": step, "model_only": False}, background=step > 1)
         writer.poll()
     writer.close()
-    path, meta = reader.choose_verified(lambda: store.newest_complete(Path(folder))[:2], set())
+    path, meta = reader.newest_verified(folder)
     restored = {"model": _model().state_dict()}
     dcp.load(restored, checkpoint_id=path)
     return Path(path).name, meta["step"], writer.last_good[0], bool(torch.equal(restored["model"]["0.weight"],
@@ -48,8 +48,9 @@ def test_two_ranks_save_in_the_background_keep_two_and_resume_the_newest(tmp_pat
     folder = tmp_path / "checkpoints"
     results = run_on_ranks(_save_and_resume_on_rank, 2, str(folder), timeout=120)
     assert results == [("step-000003", 3, 3, True)] * 2
-    assert sorted(p.name for p in folder.iterdir()) == ["step-000002", "step-000003"]  # keep_last = 2
-    for path in folder.iterdir():
+    steps = sorted(p for p in folder.iterdir() if p.name.startswith("step"))  # not the lock's guard file
+    assert [p.name for p in steps] == ["step-000002", "step-000003"]  # keep_last = 2
+    for path in steps:
         meta = store.check(path)
         assert meta["run_id"] == "abcd" and store.verify_checksums(path, meta) is None
         assert sum(store.is_rng_file(name) for name in meta["checksums"]) == 2  # one RNG file per rank
@@ -64,10 +65,15 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_never_overwritten(tmp_path):
     data = next(p for p in newest.iterdir() if p.suffix == ".distcp")
     data.write_bytes(b"\0" + data.read_bytes()[1:])  # one flipped byte: its checksum no longer holds
     rejected: set[str] = set()
-    path, meta = reader.choose_verified(lambda: store.newest_complete(folder, skip=rejected)[:2], rejected)
+    path, meta = reader.newest_verified(folder, rejected)  # the README's resume line
     assert Path(path).name == "step-000001" and rejected == {str(newest)}
     with pytest.raises(store.CheckpointError, match=r"does not match its checksum \(crc32 .*\); load_step = 2 asks for it"):
-        reader.choose_verified(lambda: (str(newest), store.check(newest)), set(), explicit="load_step = 2")
+        reader.choose_verified(lambda skip: (str(newest), store.check(newest)), set(), explicit="load_step = 2")
+    # A chooser that ignores what it is told to skip is refused at its second offer, not looped on
+    # (issue 53: the old README line printed 538 warnings in 20 s).
+    with pytest.raises(store.CheckpointError, match="offered .*step-000002 again after it was found damaged"):
+        reader.choose_verified(lambda skip: store.newest_complete(folder)[:2])
+    writer.close()
     again = CheckpointWriter(folder, run_id="r2")
     again.rejected = rejected
     again.save(2, {"model": _model().state_dict()}, {"step": 2, "model_only": False})
@@ -133,3 +139,26 @@ def test_folder_lock_refuses_a_live_holder_and_takes_over_a_dead_ones(tmp_path):
     assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
     lock.release()
     assert not (tmp_path / ".lock").exists()
+
+
+def test_a_second_writer_on_the_folder_is_refused_until_the_first_closes(tmp_path):
+    """Issue 53: two writers with different run ids replaced each other's checkpoints."""
+    import subprocess
+    import sys
+
+    folder = tmp_path / "checkpoints"
+    first = CheckpointWriter(folder, run_id="r1")
+    first.save(1, {"model": _model().state_dict()}, {"step": 1, "model_only": False})
+    with pytest.raises(ConfigError, match=r"the checkpoint folder = .* is in use by another run \(pid \d+"):
+        CheckpointWriter(folder, run_id="r2")  # another writer of this process
+    script = ("import sys; from plait.checkpoint.writer import CheckpointWriter; from plait.mesh.errors import ConfigError\n"
+              f"try:\n    CheckpointWriter({str(folder)!r}, run_id='r3')\nexcept ConfigError as e:\n"
+              "    print(e); sys.exit(2)\n")  # fmt: skip
+    other = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert other.returncode == 2 and "is in use by another run" in other.stdout, other.stdout + other.stderr
+    assert [p.name for p in folder.iterdir() if p.name.startswith("step-")] == ["step-000001"]
+    first.close()
+    second = CheckpointWriter(folder, run_id="r2")  # free again
+    second.save(2, {"model": _model().state_dict()}, {"step": 2, "model_only": False})
+    second.close()
+    assert not (folder / ".plait-checkpoint.lock").exists()

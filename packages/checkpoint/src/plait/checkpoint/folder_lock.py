@@ -20,6 +20,9 @@ from pathlib import Path
 
 from plait.mesh.errors import ConfigError
 
+# A checkpoint folder's lock: CheckpointWriter takes it (rank 0), plait-train for its checkpoint.folder.
+CHECKPOINT_LOCK_NAME = ".plait-checkpoint.lock"
+
 
 def _start_time(pid: int) -> str | None:
     """The process's start time in clock ticks since boot (Linux), to tell a reused pid apart."""

@@ -6,7 +6,10 @@ world_size-th recorded file; a damaged checkpoint is skipped (remembered in `rej
 save never overwrites it) and the one published before it is chosen, unless the choice was
 explicit (a step the user asked for): then the problem is the error.
 
-    path, meta = choose_verified(lambda: store.newest_complete(folder, skip=rejected)[:2], rejected)
+    path, meta = newest_verified(folder)        # None, None when the folder holds no checkpoint
+
+A chooser of one's own gets the rejected set and must skip it (`choose_verified(lambda skip:
+...)`); one that offers a rejected checkpoint again is an error, not a loop.
 """
 
 import logging
@@ -37,16 +40,27 @@ def agree(decide: Callable):
     return value
 
 
-def choose_verified(choose: Callable[[], tuple], rejected: set[str],
+def newest_verified(folder: str | Path, rejected: set[str] | None = None) -> tuple[str | None, dict | None]:
+    """The newest complete checkpoint in `folder` that every rank verified, skipping damaged ones
+    (added to `rejected`); (None, None) when there is none."""
+    return choose_verified(lambda skip: store.newest_complete(Path(folder), skip=skip)[:2], rejected)
+
+
+def choose_verified(choose: Callable[[set[str]], tuple], rejected: set[str] | None = None,
                     explicit: str = "") -> tuple[str | None, dict | None]:
-    """`choose()` (rank 0: (path or None, marker meta)) until every rank verified its choice.
-    `explicit`: the setting that asked for this one checkpoint (a damaged one is then the error,
-    with this text), "" to fall back to the one published before it."""
+    """`choose(rejected)` (rank 0: (path or None, marker meta), skipping the paths in `rejected`)
+    until every rank verified its choice; each damaged one goes into `rejected`. `explicit`: the
+    setting that asked for this one checkpoint (a damaged one is then the error, with this text),
+    "" to fall back to the one published before it."""
+    rejected = set() if rejected is None else rejected
     while True:
-        path, meta = agree(choose)
+        path, meta = agree(lambda: choose(rejected))
         if path is None:
             return None, None
         path = str(path)
+        if path in rejected:
+            raise CheckpointError(f"the chooser offered {path} again after it was found damaged: it must skip the "
+                                  "paths it is given (store.newest_complete(folder, skip=rejected))")  # fmt: skip
         problem, rng_problem = verify(Path(path), meta)
         if problem is None:
             if rng_problem:
@@ -56,7 +70,7 @@ def choose_verified(choose: Callable[[], tuple], rejected: set[str],
             raise CheckpointError(f"{problem}; {explicit} asks for it: pick another step or -1 for the newest good one")
         if not dist.is_initialized() or dist.get_rank() == 0:
             log.warning(f"skipping {problem}")
-            rejected.add(path)
+        rejected.add(path)  # on every rank: each checks `path in rejected` alike
 
 
 def verify(path: Path, meta: dict) -> tuple[str | None, str | None]:

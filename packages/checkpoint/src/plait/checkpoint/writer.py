@@ -6,6 +6,11 @@ and prunes to `keep_last`. A write that fails on any rank fails on every rank at
 with one line naming the folder, the cause and the last good checkpoint, and the temporary folder
 is removed.
 
+One writer per folder: rank 0 takes `<folder>/.plait-checkpoint.lock` (folder_lock.py) when the
+writer is made and every rank learns the verdict, so a second writer on the folder (another run id,
+process or host) is refused in one line on every rank instead of replacing the first one's
+checkpoints; `close()` gives it back. `lock=False` for a caller that holds it already (plait-train).
+
 `background=True` stages the state into CPU memory and lets DCP write it from a thread over a
 gloo group of its own; a thread of ours then hashes this rank's files. The ranks agree on the CPU
 (`poll`, every step: no device sync) when the write finished everywhere, so all of them learn of
@@ -30,8 +35,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from plait.mesh.errors import ConfigError
+
 from . import state, store
 from .collect import KILL_AFTER_SAVE, KILL_DURING_SAVE, SLOW_SAVE, all_gather, barrier, broadcast, test_kill
+from .folder_lock import CHECKPOINT_LOCK_NAME, FolderLock
 from .store import CheckpointError
 
 log = logging.getLogger("plait.checkpoint")
@@ -40,9 +48,10 @@ log = logging.getLogger("plait.checkpoint")
 class CheckpointWriter:
     """Atomic, checksummed saves into `folder`; `last_good` is the newest full state published."""
 
-    def __init__(self, folder: Path, run_id: str, keep_last: int = 0, background: bool = False):
+    def __init__(self, folder: Path, run_id: str, keep_last: int = 0, background: bool = False, lock: bool = True):
         self.folder, self.run_id, self.keep_last = Path(folder), run_id, keep_last
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.lock = self._take_lock() if lock else None
         self.pending = None  # (future, step, temp path, marker meta) of the background save in flight
         self.hasher = None  # the thread that hashes a background save's files once DCP wrote them
         self.last_good: tuple[int, Path] | None = None  # (step, path) of the newest full state on disk
@@ -217,10 +226,42 @@ class CheckpointWriter:
         if self.rank != 0 and not meta["model_only"]:
             self.last_good = (step, self.folder / store.step_name(step))  # rank 0 published it
 
+    def _take_lock(self) -> "_WriterLock | None":
+        """Rank 0 locks the folder; every rank raises its ConfigError (one line) or goes on."""
+        lock, verdict = None, ("ok", None)
+        if self.rank == 0:
+            lock = _WriterLock(str(self.folder), CHECKPOINT_LOCK_NAME, "the checkpoint folder",
+                               note={"run_id": self.run_id})  # fmt: skip
+            try:
+                verdict = ("ok", lock.acquire())
+            except ConfigError as e:
+                verdict = ("error", str(e))
+        kind, value = broadcast(verdict)
+        if kind == "error":
+            raise ConfigError(value)
+        if value:
+            log.warning(value)
+        return lock
+
     def close(self) -> None:
-        """Every rank, at the end: wait for the save in flight, publish it, stop the hashing thread."""
+        """Every rank, at the end: wait for the save in flight, publish it, stop the hashing thread,
+        give the folder's lock back."""
         self.wait()
         if self.hasher is not None:
             self.hasher.shutdown()
             self.hasher = None
         barrier()
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+
+class _WriterLock(FolderLock):
+    """A folder lock that this very process may hold already: then it is another writer's (a
+    requeued container's reused pid has another start time, and stays stale)."""
+
+    def _stale(self, holder: dict) -> bool:
+        same = (holder.get("pid"), holder.get("host"), holder.get("start"))
+        if same == (self.owner["pid"], self.owner["host"], self.owner["start"]):
+            return False
+        return super()._stale(holder)

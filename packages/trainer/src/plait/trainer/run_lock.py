@@ -19,14 +19,13 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from plait.checkpoint.folder_lock import FolderLock
+from plait.checkpoint.folder_lock import CHECKPOINT_LOCK_NAME, FolderLock
 
 from . import exit_codes
 from .config import Config, ConfigError
 from .log import log
 
-LOCK_NAME = ".plait-run.lock"
-CHECKPOINT_LOCK_NAME = ".plait-checkpoint.lock"
+LOCK_NAME = ".plait-run.lock"  # CHECKPOINT_LOCK_NAME (plait-checkpoint's): the checkpoint folder's
 # Set by the plait launcher for its ranks: the lock file it holds for them.
 HELD_BY_LAUNCHER = "PLAIT_RUN_LOCK"
 

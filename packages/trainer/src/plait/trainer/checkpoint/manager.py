@@ -40,8 +40,9 @@ class CheckpointManager(Resume, Save):
         self.run_id = broadcast(os.urandom(4).hex()) if self.saving else ""
         self.resumed_from: tuple[int, Path] | None = None  # (step, path) this run resumed from
         self.model_args = hf_export.args_record(getattr(model, "args", None))
+        # The run holds the folder's lock already (run_lock.py: its dump folder's, or its own).
         self.writer = CheckpointWriter(self.folder, self.run_id, self.c.keep_last,
-                                       background=self.c.enable and self.c.async_mode == "async")
+                                       background=self.c.enable and self.c.async_mode == "async", lock=False)
         if self.saving and rank == 0:
             for path in store.remove_stale_temporaries(self.folder, self.run_id):
                 self._log(f"removed {path.name}, the unfinished save of an earlier run")

@@ -61,7 +61,7 @@ class Resume:
         explicit = f"checkpoint.load_step = {self.c.load_step}" if self.c.load_step >= 0 else ""
         return reader.choose_verified(self._choose, self.writer.rejected, explicit)
 
-    def _choose(self) -> tuple[str | None, dict | None]:
+    def _choose(self, skip: set[str]) -> tuple[str | None, dict | None]:
         step = self.c.load_step
         if step >= 0:
             path = self.folder / store.step_name(step)
@@ -78,7 +78,7 @@ class Resume:
                     f"{e}; checkpoint.load_step = {step} asks for it: pick another step or -1 for the newest complete one"
                 ) from None
         else:
-            path, meta, warnings = store.newest_complete(self.folder, skip=self.writer.rejected)
+            path, meta, warnings = store.newest_complete(self.folder, skip=skip)
             for warning in warnings:
                 log.warning(f"checkpoint: {warning}")
             if path is None:
