@@ -14,6 +14,10 @@ float8rw: compiled with training.float8 tensorwise / rowwise, MFU still over the
 float8rw with the MoE experts' grouped GEMMs in float8 too), torchtitan
 once, compiled (and, torchtitan 0.3.0's default on CUDA, its forward-backward captured as one CUDA
 graph; 0.2.2 has none). `--attention-mask causal,document` runs each mode with each mask.
+torchtitan does the same work as plait's causal compiled run (gpu_torchtitan.py, torchtitan_gpu.py):
+same depth, batch, sequence, bf16 autocast over fp32 weights (0.2.2 on one GPU, as plait on one
+rank), causal attention (0.2.2's DeepSeek-V3 mask made causal; 0.3.0 has only block-causal ones),
+plait's selective-AC save list, model and loss compiled; its record says `equal_work`.
 
 Which torchtitan: the one that fits the running torch, decided once at start (`--torchtitan-version
 auto`): 0.3.0 where `torch.distributed.fsdp` has `DataParallelMeshDims` (torch >= 2.12; 0.3.0
@@ -27,15 +31,22 @@ first, since `--deadline` (seconds for this whole invocation) starts a run only 
 `--min-run-s` are left, stops it at the deadline, and records the rest as not run. Every run is
 also bounded by `--run-timeout`; a run stopped is signalled as a process group (plait-train's
 compile workers go with it). `--json` appends one record per run (figures, profiled step, wall
-time, error, command); `--logs` keeps each run's last lines.
+time, error, plait-train's arguments); `--logs` keeps each run's last lines, its metrics.jsonl
+and its profiler trace, gzipped (the lease's raw outputs: benchmarks/leases/README.md).
 
 Configs (the shipped flavors, depth reduced so that one GPU holds model, gradients and AdamW):
   llama3-1B     Llama 3.2 1B, all 16 layers, seq 8192, batch 1
   llama3-8B     Llama 3.1 8B dims, 8 of 32 layers, seq 8192, batch 1
   deepseek-16B  DeepSeek-V3 16B (DeepSeek-MoE 16B dims: 64 routed experts top-6, 2 shared), 1 dense
                 + 3 MoE of 28 layers, seq 4096, batch 1
-MFU is each framework's own: plait-train's is 6 x non-embedding params x tokens + attention flops
-over the GPU's dense bf16 peak (989 TFLOP/s for H100 SXM, from plait's table). The anchor is
+Figures per run (benchmarks/leases/README.md lists every field): tokens/s and step time, both
+the sync-to-sync wall clock (plait's `step_time_s` at log_freq 1; torchtitan's tokens / tps) and,
+for plait, the step's CUDA-event time (`device_step_s`); peak memory; `mfu`, each framework's own;
+and, for both frameworks from plait's FLOPs per token of the same model (6 x non-embedding params
++ attention), TFLOP/s and MFU with causal attention counted whole (`mfu_attn_whole`, plait's and
+torchtitan's convention) and halved (`mfu_attn_half`), over the GPU's dense bf16 peak (989
+TFLOP/s for H100 / H200 SXM, plait's table; benchmarks/gemm_peak.py measures what a bf16 GEMM
+of the model's shapes reaches on the leased chip). The anchor is
 torchtitan's published 33-39 % MFU for Llama 3 8B on H100 (FSDP, compile, bf16); a reduced-depth
 model on one GPU has relatively more embedding/output work, which the MFU formula does not count,
 so it reads a little lower.
@@ -45,8 +56,9 @@ document` takes the shipped configs' document masking. No hub download: text is 
 corpus, tokens from the shipped 2048-id BPE (the models keep their full vocabularies, so the output
 layer costs what it costs in a real run). Each run is a `plait-train` subprocess; figures are
 medians over the steps after the warmup (compile and autotuning). `--profile` profiles the last
-step of each run, plait's and torchtitan's (its own profiler): host time of that step next to the
-time the GPU was busy in it. torchtitan runs when `import torchtitan` works, or from
+step of each run, plait's and torchtitan's (its own profiler); profile_summary.step_profile reads
+that step's host launch time and the GPU busy time of the work it launched, per step. torchtitan
+runs when `import torchtitan` works, or from
 `--torchtitan-path` (0.3.0) / `--torchtitan-022-path` (0.2.2): a folder put first on its runs'
 PYTHONPATH only (gpu/lease.sh installs each version's wheels into one, with the older `datasets`
 0.3.0 pins); the table says where it did not.
@@ -63,11 +75,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gzip
-import importlib.util
 import json
 import os
-import re
 import shutil
 import signal
 import statistics
@@ -80,20 +89,30 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
-from common import ANSI, CORPUS_DIR, TT_STEP  # noqa: E402
-from profile_summary import device_busy  # noqa: E402
+from gpu_common import (  # noqa: E402
+    CONFIGS,
+    MASKS,
+    SAMPLES,
+    Stopped,
+    batch_of,
+    failure,
+    keep_log,
+    keep_outputs,
+    layers_of,
+    model_flops,
+    on_sigterm,
+    peak_tflops,
+    run_bounded,
+    step_times,
+    throughput_figures,
+)
+from gpu_torchtitan import choose_torchtitan, run_torchtitan, torchtitan_available  # noqa: E402
+from lease_table import bench_table  # noqa: E402  (the table the lease's section shows)
+from profile_summary import step_profile  # noqa: E402
 
-SAMPLES = HERE / "lease_samples"
+_run = run_bounded  # (its name in tests/test_combo_lease_dry_run.py)
 TT_TOKENIZER = REPO / ".." / "shared" / "bench" / "torchtitan-tokenizer"
 TORCHTITAN_VERSIONS = ("0.3.0", "0.2.2")  # newest first: 0.3.0 needs torch >= 2.12
-
-CONFIGS = {
-    # name -> (plait config file, layers option, seq_len, local batch, torchtitan module/config)
-    "llama3-1B": ("llama3_1B.toml", "layers_1b", 8192, 1, ("llama3", "llama3_1b")),
-    "llama3-8B": ("llama3_8B.toml", "layers_8b", 8192, 1, ("llama3", "llama3_8b")),
-    "deepseek-16B": ("deepseek_v3_16B.toml", "layers_16b", 4096, 1, ("deepseek_v3", "deepseek_v3_16b")),
-}
-MASKS = ("causal", "document")
 MODES = {
     "eager": ["--training.compile", "false"],
     "compile": ["--training.compile", "true"],
@@ -107,73 +126,12 @@ MODES = {
 }
 
 
-# ---- running one command, bounded ------------------------------------------------------------
-
-
-class _Stopped(Exception):
-    """SIGTERM (gpu/lease.sh's `timeout`): stop the run in flight, then this script."""
-
-
-def _on_sigterm(signum, frame):
-    raise _Stopped()
-
-
-def _run(cmd: list[str], env: dict, log: Path, timeout: float | None) -> tuple[int, bool]:
-    """(exit code, timed out): `cmd` in a session of its own, output to `log`; at `timeout` (or
-    when this script is stopped) its whole process group gets SIGTERM, then SIGKILL 8 s later."""
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            return proc.wait(timeout=timeout), False
-        except subprocess.TimeoutExpired:
-            return _stop(proc), True
-        finally:
-            if proc.poll() is None:  # stopped from outside (_Stopped, KeyboardInterrupt)
-                _stop(proc)
-
-
-def _stop(proc: subprocess.Popen) -> int:
-    for sig, grace in ((signal.SIGTERM, 8), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            return proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            continue
-    return proc.wait()
-
-
-def _tail(log: Path, lines: int = 15) -> list[str]:
-    return ANSI.sub("", log.read_text(errors="replace")).splitlines()[-lines:] if log.exists() else []
-
-
-def _keep_log(log: Path, args) -> None:
-    if args.logs and log.exists():
-        args.logs.mkdir(parents=True, exist_ok=True)
-        (args.logs / log.name).write_text("\n".join(_tail(log, 80)) + "\n")
-
-
-def _failure(rc: int, timed_out: bool, timeout: float | None, log: Path) -> dict:
-    tail = _tail(log)
-    print("\n".join(tail), flush=True)
-    if timed_out:
-        return {"error": f"stopped at its {timeout:.0f} s limit"}
-    last = next((line for line in reversed(tail) if line.strip()), "")
-    return {"error": f"exit {rc}: {last}"[:200]}
-
-
 # ---- plait -----------------------------------------------------------------------------------
 
 
-def _batch(name: str, args) -> int:
-    return getattr(args, "batch_16b", 1) if name == "deepseek-16B" else CONFIGS[name][3]
-
-
 def plait_command(name: str, args, dump: Path, mode: str, mask: str) -> list[str]:
-    config_file, layers_opt, seq, batch, _ = CONFIGS[name]
-    batch = _batch(name, args)
+    config_file, layers_opt, seq, _, _ = CONFIGS[name]
+    batch = batch_of(name, args)
     cmd = [sys.executable, "-m", "plait.trainer", "--config", config_file, "--job.dump_folder", str(dump),
            "--model.tokenizer_path", "", "--model.n_layers", str(getattr(args, layers_opt)),
            "--training.seq_len", str(seq), "--training.local_batch_size", str(batch),
@@ -226,192 +184,36 @@ def run_plait(name: str, args, workdir: Path, mode: str = "compile", mask: str |
         rc, timed_out = 0, False
     else:
         env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-        rc, timed_out = _run(cmd, env, log, timeout)
-    _keep_log(log, args)
+        rc, timed_out = run_bounded(cmd, env, log, timeout)
+    keep_log(log, args)
     if rc != 0 or timed_out:
-        return _failure(rc, timed_out, timeout, log)
+        return failure(rc, timed_out, timeout, log)
+    return _plait_figures(name, args, dump, f"{name}-{mask}-{mode}", cmd)
+
+
+def _plait_figures(name: str, args, dump: Path, run: str, cmd: list[str]) -> dict:
+    """A finished plait run's figures: medians of the steps after the warmup (tokens/s, plait's
+    MFU, wall and CUDA-event step times), the peak memory, the profiled step (per step: host launch
+    and GPU busy time), its outputs kept, and its plait-train arguments (for plait-plan)."""
     rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     kept = [r for r in rows if r["step"] > args.warmup and "tokens_per_second" in r]
     if not kept:
         return {"error": f"no step after the {args.warmup} warmup steps in metrics.jsonl"}
     traces = sorted((dump / "profile").glob("step*_rank0.json")) if args.profile else []
-    busy = device_busy(traces[-1]) if traces else None
-    if busy:
-        print(f"[gpu] {name} {mask} {mode} profiled step: {busy}", flush=True)
+    profile = step_profile(traces[-1]) if traces else None
+    if profile:
+        print(f"[gpu] {run} profiled step: {profile}", flush=True)
+    train_args = cmd[cmd.index("plait.trainer") + 1 :]
+    at = train_args.index("--job.dump_folder")
     return {
-        "busy": busy,
+        "profile": profile,
         "tokens_per_second": statistics.median(r["tokens_per_second"] for r in kept),
         "mfu": statistics.median(r["mfu"] for r in kept),
         "memory_gib": max(r["memory_gib"] for r in kept),
-        "layers": getattr(args, CONFIGS[name][1]),
-    }
-
-
-# ---- torchtitan ------------------------------------------------------------------------------
-
-
-def choose_torchtitan(args) -> tuple[str, Path | None]:
-    """(the torchtitan version its runs take, its site folder or None for this python's own),
-    decided once: `--torchtitan-version`, or by default the one this torch runs: 0.3.0 imports
-    `torch.distributed.fsdp.DataParallelMeshDims` (new in torch 2.12), 0.2.2 does not. Without
-    either folder, the torchtitan this python imports (its version from its dist-info)."""
-    version = args.torchtitan_version
-    if version == "auto":
-        import torch.distributed.fsdp as fsdp
-
-        version = "0.3.0" if hasattr(fsdp, "DataParallelMeshDims") else "0.2.2"
-    path = {"0.3.0": args.torchtitan_path, "0.2.2": args.torchtitan_022_path}[version]
-    if path is None and args.torchtitan_path is None and args.torchtitan_022_path is None:
-        from importlib.metadata import PackageNotFoundError
-        from importlib.metadata import version as installed
-
-        try:
-            version = installed("torchtitan") if args.torchtitan_version == "auto" else version
-        except PackageNotFoundError:
-            pass
-    return version, path
-
-
-def _legacy(args) -> bool:
-    """torchtitan 0.2.x: its CLI (TOML job config, --model.flavor, --job.*, --profiling.*)."""
-    return args.tt_version.startswith(("0.1.", "0.2."))
-
-
-def torchtitan_available(args) -> bool:
-    if args.tt_path:
-        return (Path(args.tt_path) / "torchtitan").is_dir()
-    if args.torchtitan_path or args.torchtitan_022_path:  # only the other version's folder given
-        return False
-    return importlib.util.find_spec("torchtitan") is not None
-
-
-def torchtitan_command(name: str, args, dump: Path, cuda_graphs: bool = True) -> list[str]:
-    _, layers_opt, seq, batch, (module, config) = CONFIGS[name]
-    batch = _batch(name, args)
-    # torchtitan_gpu.py: torchtitan's trainer plus the reduced depth and a 1B config (see there).
-    # Text from the same local folder as plait (no hub); its default selective AC; model and loss
-    # compiled as plait compiles its blocks; one GPU, so no expert parallel.
-    cmd = [sys.executable, str(HERE / "torchtitan_gpu.py"), "--layers", str(getattr(args, layers_opt))]
-    common = ["--training.seq_len", str(seq), "--training.local_batch_size", str(batch),
-              "--training.steps", str(args.steps), "--metrics.log_freq", "1",
-              "--compile.enable", "--compile.components", "model,loss"]  # fmt: skip
-    if module == "deepseek_v3":
-        common += ["--parallelism.expert_parallel_degree", "1"]
-    if _legacy(args):  # 0.2.2: its job config by name (torchtitan_gpu.py holds them), its own sections
-        cmd += ["--config", config, "--model.hf_assets_path", str(args.tt_tokenizer),
-                "--training.dataset", "c4_test", "--training.dataset_path", str(CORPUS_DIR),
-                "--job.dump_folder", str(dump), *common]  # fmt: skip
-        if args.profile:  # its own profiler, the last step, traces where 0.3.0 writes them
-            cmd += ["--profiling.enable_profiling", "--profiling.profile_freq", str(args.steps),
-                    "--profiling.profiler_warmup", str(min(3, args.steps - 1)),
-                    "--profiling.save_traces_folder", "profiling/traces"]  # fmt: skip
-        return cmd
-    cmd += ["--module", module, "--config", config, "--hf_assets_path", str(args.tt_tokenizer),
-            "--dataloader.dataset", "c4_test", "--dataloader.dataset_path", str(CORPUS_DIR),
-            "--dump_folder", str(dump), *common]  # fmt: skip
-    if not cuda_graphs:
-        cmd += ["--training.disable_cuda_graphs"]
-    if args.profile:  # its own profiler, the last step: wait, warmup (<= 3), one active step
-        cmd += ["--profiler.enable_profiling", "--profiler.profile_freq", str(args.steps),
-                "--profiler.profiler_warmup", str(min(3, args.steps - 1))]  # fmt: skip
-    return cmd
-
-
-def _torchtitan_env(args) -> dict:
-    env = dict(os.environ, WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT="29591", PYTHONUNBUFFERED="1",
-               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")  # fmt: skip
-    if args.tt_path:  # first, for these runs only: its `datasets` never meets plait's
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(args.tt_path), env.get("PYTHONPATH")]))
-    return env
-
-
-def _fake_torchtitan_outputs(dump: Path, log: Path, args, parsed: str | None) -> None:
-    """--dry-run: the recorded sample log (its first line, what the parse configured, replaced by
-    the real parse's where there was one) and the sample trace, written as that torchtitan writes
-    it (0.3.0 gzipped, 0.2.2 plain)."""
-    sample = (SAMPLES / "torchtitan.log").read_text().replace("DUMP", str(dump)).splitlines()
-    if parsed:
-        sample[0] = parsed
-    log.write_text("\n".join(sample) + "\n")
-    if args.profile:
-        folder = dump / "profiling" / "traces" / f"iteration_{args.steps}"
-        folder.mkdir(parents=True, exist_ok=True)
-        if _legacy(args):
-            shutil.copy(SAMPLES / "torchtitan_trace.json", folder / "rank0_trace.json")
-        else:
-            with gzip.open(folder / "rank0_trace.json.gz", "wt") as f:  # 0.3.0 writes them gzipped
-                f.write((SAMPLES / "torchtitan_trace.json").read_text())
-
-
-def _check_torchtitan_command(cmd: list[str], args, log: Path) -> tuple[dict | None, str | None]:
-    """--dry-run: torchtitan's own parser on the command line (torchtitan_gpu.py --check-args):
-    (the failure or None, the line saying what it configured)."""
-    check = [cmd[0], cmd[1], "--check-args", *cmd[2:]]
-    rc, timed_out = _run(check, dict(_torchtitan_env(args), CUDA_VISIBLE_DEVICES=""), log, 120)
-    print("\n".join(_tail(log, 3)), flush=True)
-    if rc != 0 or timed_out:
-        return _failure(rc, timed_out, 120, log), None
-    return None, next((ln for ln in _tail(log, 50) if ln.startswith("torchtitan_gpu.py: ")), None)
-
-
-def run_torchtitan(name: str, args, workdir: Path, timeout: float | None = None, deadline=None) -> dict:
-    available = torchtitan_available(args)
-    if not available and not args.dry_run:
-        flag = "--torchtitan-022-path" if _legacy(args) else "--torchtitan-path"
-        other = args.torchtitan_path or args.torchtitan_022_path  # only the other version's folder given
-        where = f"in {args.tt_path}" if args.tt_path else f"(no {flag})" if other else "here"
-        return {"error": f"torchtitan {args.tt_version} not installed {where}"}
-    dump = workdir / f"tt-{name}"
-    log = workdir / f"tt-{name}.log"
-    cmd = torchtitan_command(name, args, dump)
-    print(f"[gpu] {name} torchtitan: {' '.join(cmd)}", flush=True)
-    note = ""
-    if args.dry_run:
-        failed, parsed = _check_torchtitan_command(cmd, args, log) if available else (None, None)
-        if failed:
-            return {"error": f"dry run: {failed['error']}"}
-        if not available:
-            note = "dry run: torchtitan not importable here, its command line not parsed"
-            print(f"[gpu] {note}", flush=True)
-        _fake_torchtitan_outputs(dump, log, args, parsed)
-        rc, timed_out = 0, False
-    else:
-        rc, timed_out = _run(cmd, _torchtitan_env(args), log, timeout)
-        left = deadline() if deadline else None
-        capture = r"is capturing|StreamCapture|graph capture|capture_(begin|end)"
-        graph_failed = (rc != 0 and not timed_out and not _legacy(args)
-                        and re.search(capture, log.read_text(errors="replace"), re.I))  # fmt: skip
-        if graph_failed and (left is None or left >= args.min_run_s):
-            # Its default whole-step CUDA graph did not capture: once more without it.
-            _keep_log(log, args)
-            shutil.rmtree(dump, ignore_errors=True)
-            cmd = torchtitan_command(name, args, dump, cuda_graphs=False)
-            print(f"[gpu] {name} torchtitan again without its CUDA graph: {' '.join(cmd)}", flush=True)
-            note = "its CUDA graph failed: --training.disable_cuda_graphs"
-            log = workdir / f"tt-{name}-no-cudagraph.log"
-            rc, timed_out = _run(cmd, _torchtitan_env(args), log, min(timeout or 1e9, left or 1e9))
-    _keep_log(log, args)
-    if rc != 0 or timed_out:
-        return {**_failure(rc, timed_out, timeout, log), "note": note}
-    text = ANSI.sub("", log.read_text())
-    tps = [float(m.group(2).replace(",", "")) for m in TT_STEP.finditer(text) if int(m.group(1)) > args.warmup]
-    mfu = [float(x) for x in re.findall(r"mfu:\s*([\d.]+)%", text)[args.warmup :]]
-    mem = [float(x) for x in re.findall(r"memory:\s*([\d.]+)GiB", text)]
-    traces = sorted(dump.glob("profiling/traces/iteration_*/rank0_trace.json*"),
-                    key=lambda p: int(p.parent.name.split("_")[-1])) if args.profile else []  # fmt: skip
-    busy = device_busy(traces[-1]) if traces else None
-    graphs = re.search(r"torchtitan_gpu\.py: .*CUDA graphs (True|False)", text)
-    attention = re.search(r"torchtitan_gpu\.py: .*, attention (.+)", text)
-    mode = "compile + whole-step CUDA graph" if graphs and graphs.group(1) == "True" else "compile"
-    return {
-        "busy": busy,
-        "tt_mode": f"{mode}; attention {attention.group(1).strip()}" if attention else mode,
-        "tokens_per_second": statistics.median(tps) if tps else float("nan"),
-        "mfu": statistics.median(mfu) / 100 if mfu else float("nan"),
-        "memory_gib": max(mem) if mem else float("nan"),
-        "layers": getattr(args, CONFIGS[name][1]),
-        "note": note,
+        **step_times(kept),
+        "layers": layers_of(name, args),
+        "plait_args": train_args[:at] + train_args[at + 2 :],
+        **keep_outputs(args, run, dump / "metrics.jsonl", traces[-1] if traces else None),
     }
 
 
@@ -439,21 +241,7 @@ def parse_runs(args) -> list[tuple[str, str, str]]:
     return runs
 
 
-def _row(name: str, side: str, r: dict) -> str:
-    if "error" in r:
-        return f"| {name} | {side} | - | - | - | {r['error']} |"
-    note = str(r.get("layers", ""))
-    if r.get("busy"):  # the profiled step (profiler overhead included): GPU busy / host time
-        b = r["busy"]
-        note = (f"{note}; profiled step: host {b['host_step_ms']:.0f} ms, GPU busy {b['device_busy_ms']:.0f} "
-                f"of {b['device_span_ms']:.0f} ms")
-    if r.get("note"):
-        note = f"{note}; {r['note']}"
-    return (f"| {name} | {side} | {r['tokens_per_second']:,.0f} | {r['mfu']:.1%} | {r['memory_gib']:.1f} | "
-            f"{note} |")  # fmt: skip
-
-
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10)
@@ -470,13 +258,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", help="CONFIG:MASK:MODE,... in this order (MODE torchtitan: its run), instead of "
                                        "--only / --modes / --attention-mask")  # fmt: skip
     parser.add_argument("--no-torchtitan", action="store_true", help="without --runs: plait only")
-    parser.add_argument("--profile", action="store_true",
-                        help="profile the last step: host time vs GPU busy time (host-bound or kernel-bound)")
+    parser.add_argument(
+        "--profile", action="store_true", help="profile the last step: host launch time vs GPU busy time, per step"
+    )
     parser.add_argument("--deadline", type=float, help="seconds for all the runs; later runs are not started")
     parser.add_argument("--min-run-s", type=float, default=40, help="start a run only with this many seconds left")
     parser.add_argument("--run-timeout", type=float, default=240, help="seconds one run may take")
     parser.add_argument("--json", type=Path, help="append one JSON record per run")
-    parser.add_argument("--logs", type=Path, help="keep each run's last lines here")
+    parser.add_argument(
+        "--logs", type=Path, help="keep each run's last lines, metrics.jsonl and gzipped profiler trace here"
+    )
     parser.add_argument("--torchtitan-path", type=Path, help="torchtitan 0.3.0's site folder, for its runs only")
     parser.add_argument("--torchtitan-022-path", type=Path, help="torchtitan 0.2.2's site folder, likewise")
     parser.add_argument("--torchtitan-version", choices=("auto", *TORCHTITAN_VERSIONS), default="auto",
@@ -485,6 +276,65 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true",
                         help="no GPU: check the command lines, read benchmarks/lease_samples/ as their outputs")
     parser.add_argument("--no-results", action="store_true")
+    return parser
+
+
+def _flops(name: str, args, cache: dict) -> dict | None:
+    """The config's FLOPs per token (both attention conventions), once per config; None if plait's
+    config cannot say (the record then has no MFU columns)."""
+    if name not in cache:
+        try:
+            cache[name] = model_flops(plait_command(name, args, Path("unused"), "compile", "causal"))
+        except Exception as e:  # a figure missing is no reason to lose the run
+            print(f"[gpu] {name}: FLOPs per token not known: {type(e).__name__}: {e}", flush=True)
+            cache[name] = None
+    return cache[name]
+
+
+def _one_run(name: str, mask: str, mode: str, args, tmp: Path, left) -> dict:
+    remaining = left()
+    timeout = args.run_timeout if remaining is None else min(args.run_timeout, remaining)
+    try:
+        if remaining is not None and remaining < args.min_run_s:
+            return {"error": f"not run: {max(remaining, 0):.0f} s of the deadline left", "skipped": True}
+        if mode == "torchtitan":
+            return {"torchtitan_version": args.tt_version,
+                    **run_torchtitan(name, args, tmp, timeout=timeout, deadline=left)}  # fmt: skip
+        return run_plait(name, args, tmp, mode, mask, timeout=timeout)
+    except Stopped:
+        return {"error": "stopped (SIGTERM: the lease's stage limit)"}
+
+
+def _run_all(runs: list[tuple[str, str, str]], args, peak: float) -> list[dict]:
+    """Every run in order, within the deadline; one record each (appended to --json as it ends)."""
+    start, flops = time.monotonic(), {}
+
+    def left() -> float | None:
+        return None if args.deadline is None else args.deadline - (time.monotonic() - start)
+
+    records = []
+    with tempfile.TemporaryDirectory(prefix="plait-gpu-") as tmp:
+        for name, mask, mode in runs:
+            began = time.monotonic()
+            result = _one_run(name, mask, mode, args, Path(tmp), left)
+            if "error" not in result:
+                result.update(throughput_figures(result, _flops(name, args, flops), peak))
+            record = {"config": name, "mask": mask, "mode": mode, "framework": "torchtitan" if mode == "torchtitan"
+                      else "plait", "seq": CONFIGS[name][2], "batch": batch_of(name, args), "steps": args.steps,
+                      "warmup": args.warmup, "wall_s": round(time.monotonic() - began, 1), "dry_run": args.dry_run,
+                      **result}  # fmt: skip
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            records.append(record)
+            print(bench_table([record])[-1], flush=True)
+            if result.get("error", "").startswith("stopped (SIGTERM"):
+                break
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.steps <= args.warmup:
         parser.error("--steps must exceed --warmup")
@@ -499,52 +349,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[gpu] torchtitan {args.tt_version} for torch {torch.__version__}: "
               f"{args.tt_path or ('this python' if torchtitan_available(args) else 'not installed')}",
               flush=True)  # fmt: skip
-
     if args.dry_run:
-        gpu = "dry run (no GPU: sample outputs)"
+        gpu = "dry run (no GPU: sample outputs; MFU over an H100's 989 TFLOP/s)"
     elif not torch.cuda.is_available():
         sys.exit("benchmarks/gpu.py needs a CUDA GPU (H100/H200); on CPU use benchmarks/suite.py (or --dry-run).")
     else:
         gpu = torch.cuda.get_device_name(0)
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    start = time.monotonic()
-
-    def left() -> float | None:
-        return None if args.deadline is None else args.deadline - (time.monotonic() - start)
-
-    lines = ["| config | framework | tokens/s | MFU | peak GiB | layers / note |", "|---|---|---|---|---|---|"]
-    with tempfile.TemporaryDirectory(prefix="plait-gpu-") as tmp:
-        for name, mask, mode in runs:
-            remaining = left()
-            began = time.monotonic()
-            timeout = args.run_timeout if remaining is None else min(args.run_timeout, remaining)
-            try:
-                if remaining is not None and remaining < args.min_run_s:
-                    result = {"error": f"not run: {max(remaining, 0):.0f} s of the deadline left", "skipped": True}
-                elif mode == "torchtitan":
-                    result = run_torchtitan(name, args, Path(tmp), timeout=timeout, deadline=left)
-                else:
-                    result = run_plait(name, args, Path(tmp), mode, mask, timeout=timeout)
-            except _Stopped:
-                result = {"error": "stopped (SIGTERM: the lease's stage limit)"}
-            side = f"torchtitan {args.tt_version}" if mode == "torchtitan" else f"plait {mode}"
-            if mode == "torchtitan":
-                result = {"torchtitan_version": args.tt_version, **result}
-            record = {"config": name, "mask": mask, "mode": mode, "framework": side.split()[0],
-                      "seq": CONFIGS[name][2], "batch": _batch(name, args), "steps": args.steps, "warmup": args.warmup,
-                      "wall_s": round(time.monotonic() - began, 1), "dry_run": args.dry_run, **result}  # fmt: skip
-            if args.json:
-                with open(args.json, "a") as f:
-                    f.write(json.dumps(record) + "\n")
-            lines.append(_row(f"{name} ({mask})", side, result))
-            print(lines[-1], flush=True)
-            if result.get("error", "").startswith("stopped (SIGTERM"):
-                break
+    signal.signal(signal.SIGTERM, on_sigterm)
+    records = _run_all(runs, args, peak_tflops("H100" if args.dry_run else gpu))
     commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, cwd=REPO)
     header = (f"## GPU benchmark, {datetime.date.today()} (`benchmarks/gpu.py`)\n\n{gpu}; torch {torch.__version__}; "
               f"commit {commit.stdout.strip() or 'unknown'}; bf16, selective AC, 1 GPU; "
               f"{args.steps} steps, {args.warmup} warmup.\n")  # fmt: skip
-    text = header + "\n" + "\n".join(lines) + "\n"
+    text = header + "\n" + "\n".join(bench_table(records)) + "\n"
     print("\n" + text)
     if not args.no_results and not args.dry_run:
         results = HERE / "RESULTS.md"

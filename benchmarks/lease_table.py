@@ -3,14 +3,20 @@
     python benchmarks/lease_table.py OUT                                    OUT/table.md, printed
     python benchmarks/lease_table.py OUT --results benchmarks/RESULTS.md    ... and prepended there
 
-OUT is the lease's $OUT, i.e. the folder the device call brought back (its `files_at`): env.txt,
-stages.tsv, suite.log, signature.txt, varlen.jsonl and bench.jsonl, any of them missing where a
-stage did not run. The section: the machine, torch, commit and stage times; the GPU suite's
-summary line (and its failures); the varlen signature; one table of every training run (config x
-attention x framework / mode: tokens/s, MFU, peak GiB, host and GPU busy ms of the profiled last
-step, plait / torchtitan on the causal rows, document / causal on the document rows); and the
-one-call vs per-segment attention rows. A dry run's folder (sample outputs, not measurements) is
-titled as such and refused by --results unless --dry-run-ok. No torch needed: it runs anywhere.
+OUT is the lease's $OUT (the folder the device call brought back, its `files_at`) or its copy
+under benchmarks/leases/<date>-<commit>/ (benchmarks/lease_archive.py makes it; its README lists
+every file and field): env.txt, stages.tsv, suite.log, signature.txt, nvidia-smi.txt, parity.jsonl,
+bench.jsonl, plan.jsonl, gemm.jsonl and varlen.jsonl, any of them missing where a stage did not
+run. The section: the machine, torch, commit and stage times; the GPU as nvidia-smi reported it
+(idle and under a GEMM load: benchmarks/lease_machine.py); the GPU suite's summary line (and its
+failures); the varlen signature; the CUDA parity table (one row per parity.jsonl entry); one table
+of every training run (config x attention x framework / mode: tokens/s, step time by the wall
+clock and by CUDA events, TFLOP/s, MFU with causal attention whole and halved, that over the best
+measured GEMM, peak GiB measured and planned, planned step, host launch and GPU busy ms per step,
+plait / torchtitan on the causal rows where torchtitan did the same work, document / causal on
+the document rows); the GEMMs; and the one-call vs per-segment attention rows. A dry run's folder
+(sample outputs, not measurements) is titled as such and refused by --results unless
+--dry-run-ok. No torch needed: it runs anywhere.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import math
 import re
 import sys
 from pathlib import Path
+
+from lease_machine import gemm_best, gemm_table, smi_line
 
 CONFIG_ORDER = ("llama3-1B", "llama3-8B", "deepseek-16B")
 DIMS = {
@@ -94,41 +102,75 @@ def _label(r: dict) -> str:
     return MODE_NAMES.get(r["mode"], f"plait {r['mode']}")
 
 
-def bench_table(records: list[dict]) -> list[str]:
+BENCH_HEADER = ["| config | attention | framework / mode | tokens/s | step ms, wall | step ms, CUDA events | TFLOP/s | "
+                "MFU | MFU, causal halved | of best GEMM | peak GiB | planned GiB | planned ms | host launch ms/step | "
+                "GPU busy ms/step | plait / torchtitan | document / causal |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+
+
+def _ratio(a: dict | None, b: dict | None) -> str:
+    if not a or not b or not (b.get("tokens_per_second") or 0) > 0:
+        return ""
+    return f"{a['tokens_per_second'] / b['tokens_per_second']:.2f}x"
+
+
+def _figures(r: dict, plan: dict, gemm_tflops: float | None) -> str:
+    """The row's measured and planned figures, the table's columns 4 to 15."""
+    profile = r.get("profile") or {}  # (records before it had `busy`: not per step, not shown)
+    events = _num(r.get("step_ms_events"), ".1f")
+    if abs((r.get("events_vs_wall") or 1.0) - 1) > 0.02:
+        events += f" ({r['events_vs_wall']:.3f}x wall!)"
+    mfu = r.get("mfu_attn_whole", r.get("mfu"))
+    of_gemm = r["tflops"] / gemm_tflops if gemm_tflops and r.get("tflops") else None
+    cells = [_num(r.get("tokens_per_second"), ",.0f"), _num(r.get("step_ms_wall"), ".1f"), events,
+             _num(r.get("tflops"), ".0f"), _num(mfu, ".1%"), _num(r.get("mfu_attn_half"), ".1%"), _num(of_gemm, ".0%"),
+             _num(r.get("memory_gib"), ".1f"), _num(plan.get("planned_peak_gib"), ".1f"),
+             _num(plan.get("planned_step_ms"), ".0f"), _num(profile.get("host_launch_ms"), ".0f"),
+             _num(profile.get("gpu_busy_ms"), ".0f")]  # fmt: skip
+    return " | ".join(cells)
+
+
+def bench_table(records: list[dict], plans: list[dict] | None = None, gemm: list[dict] | None = None) -> list[str]:
     """The training runs, in a fixed order (config, attention, mode), one row each (the last
-    record of a repeated run wins)."""
+    record of a repeated run wins), with plait-plan's figures (plan.jsonl) and the best GEMM of
+    the config (gemm.jsonl) where given."""
     runs = {(r["config"], r["mask"], r["mode"]): r for r in records}
     ok = {key: r for key, r in runs.items() if "error" not in r}
-    lines = ["| config | attention | framework / mode | tokens/s | MFU | peak GiB | host ms/step | "
-             "GPU busy ms/step | plait / torchtitan | document / causal |",
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    planned = {(p["config"], p["mask"], p["mode"]): p for p in plans or []}
+    best = gemm_best(gemm or [])
+    lines = list(BENCH_HEADER)
     order = sorted(runs, key=lambda k: (CONFIG_ORDER.index(k[0]) if k[0] in CONFIG_ORDER else 99,
                                         k[1] != "causal", MODE_ORDER.index(k[2]) if k[2] in MODE_ORDER else 99))  # fmt: skip
     for key in order:
         config, mask, mode = key
         r = runs[key]
-        name = config
         if "error" in r:
-            lines.append(f"| {name} | {mask} | {_label(r)} | {r['error']} | | | | | | |")
+            lines.append(f"| {config} | {mask} | {_label(r)} | {r['error']} |{' |' * 13}")
             continue
-        busy = r.get("busy") or {}
         tt = ok.get((config, "causal", "torchtitan"))
-        vs_tt = ""
-        if mode != "torchtitan" and mask == "causal" and tt and tt["tokens_per_second"] > 0:
-            vs_tt = f"{r['tokens_per_second'] / tt['tokens_per_second']:.2f}x"
-        causal = ok.get((config, "causal", mode))
-        vs_causal = ""
-        if mask == "document" and causal and causal["tokens_per_second"] > 0:
-            vs_causal = f"{r['tokens_per_second'] / causal['tokens_per_second']:.2f}x"
+        equal = tt is not None and tt.get("equal_work", True)  # records before `equal_work`: 0.3.0, never ran
+        vs_tt = _ratio(r, tt) if mode != "torchtitan" and mask == "causal" and equal else ""
+        vs_causal = _ratio(r, ok.get((config, "causal", mode))) if mask == "document" else ""
         note = f" ({r['note']})" if r.get("note") else ""
-        bf16 = ok.get((config, mask, "compile"))
-        if mode.startswith("float8") and bf16 and bf16["tokens_per_second"] > 0:
-            note += f" ({r['tokens_per_second'] / bf16['tokens_per_second']:.2f}x bf16 compile)"
-        lines.append(
-            f"| {name} | {mask} | {_label(r)}{note} | {_num(r.get('tokens_per_second'), ',.0f')} | "
-            f"{_num(r.get('mfu'), '.1%')} | {_num(r.get('memory_gib'), '.1f')} | "
-            f"{_num(busy.get('host_step_ms'), '.0f')} | {_num(busy.get('device_busy_ms'), '.0f')} | {vs_tt} | {vs_causal} |"
-        )
+        if mode == "torchtitan" and r.get("equal_work") is False:
+            note += " (not plait's work: no ratio)"
+        if mode.startswith("float8") and _ratio(r, ok.get((config, mask, "compile"))):
+            note += f" ({_ratio(r, ok.get((config, mask, 'compile')))} bf16 compile)"
+        plan = planned.get(key, {})
+        lines.append(f"| {config} | {mask} | {_label(r)}{note} | {_figures(r, plan, best.get(config))} | "
+                     f"{vs_tt} | {vs_causal} |")  # fmt: skip
+    return lines
+
+
+def parity_table(rows: list[dict]) -> list[str]:
+    """parity.jsonl (the lease's `parity` stage): one row per entry, in its order."""
+    lines = ["| layout | model | dtype | ranks | max loss diff | max grad-norm diff (rel) | host syncs / step "
+             "(expected) | passed |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        syncs = f"{r.get('host_syncs_per_step', '-')} ({r.get('expected_host_syncs', '-')})"
+        entry = " | ".join(str(r.get(key, "?")) for key in ("layout", "model", "dtype", "ranks"))
+        lines.append(f"| {entry} | {_num(r.get('max_loss_diff'), '.2e')} | {_num(r.get('max_grad_norm_rel_diff'), '.2e')} "
+                     f"| {syncs} | {'yes' if r.get('passed') else 'NO'} |")  # fmt: skip
     return lines
 
 
@@ -146,67 +188,103 @@ def varlen_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _records(out: Path, env: dict[str, str]) -> list[dict]:
+    """bench.jsonl, plus a "not run" record for each planned run without one (the stage ended first)."""
+    records = read_jsonl(out / "bench.jsonl")
+    done = {(r["config"], r["mask"], r["mode"]) for r in records}
+    tt_version = next((r["torchtitan_version"] for r in records if r.get("torchtitan_version")), "")
+    for spec in filter(None, env.get("runs", "").split(",")):
+        config, mask, mode = (spec.split(":") + ["?", "?"])[:3]
+        if (config, mask, mode) not in done:
+            records.append({"config": config, "mask": mask, "mode": mode, "error": "not run: the stage ended first",
+                            **({"torchtitan_version": tt_version} if mode == "torchtitan" else {})})  # fmt: skip
+    return records
+
+
+BENCH_TEXT = (
+    "{dims}; bf16, selective AC, one GPU (no expert parallel); {steps} steps, medians of those after {warmup} "
+    "warmup (compile, autotuning, CUDA graph recording). Step ms: sync to sync by the wall clock (plait: "
+    "`step_time_s`, one step per flush; torchtitan: tokens / its tps) and, plait only, by CUDA events "
+    "(`device_step_s`; `!` where the two differ by more than 2 %). TFLOP/s and both MFUs: plait's FLOPs per "
+    "token of the model (6 x non-embedding params + attention) x tokens/s, for both frameworks (the same "
+    "model), over 989 TFLOP/s dense bf16; MFU counts causal attention whole (plait's and torchtitan's "
+    "convention), the next column halved; of best GEMM: TFLOP/s over the fastest bf16 GEMM of the model's "
+    "shapes measured on this GPU (below). Peak GiB: max_memory_allocated (plait) or torchtitan's log; planned: "
+    "plait-plan's traced peak and ideal step (its FLOPs at 989 TFLOP/s) for the same arguments. Host launch and "
+    "GPU busy ms per step: the last step profiled, that step alone (profile_summary.step_profile: its "
+    "ProfilerStep span less the time blocked in CUDA syncs and copies; the union of the device work its CUDA "
+    "calls launched; profiler overhead included). torchtitan (the version that fits the lease's torch) runs "
+    "at the same depth, batch, sequence, compiled, with causal attention and plait's selective-AC save list "
+    "(its row says; plait / torchtitan only where its run was that work). {not_run} run(s) not started for "
+    "the budget."
+)
+
+
+def _bench_parts(out: Path, env: dict[str, str]) -> list[str]:
+    records = _records(out, env)
+    if not records:
+        return []
+    dims = {r["config"]: f"{DIMS.get(r['config'], r['config'])}: {r['layers']} layers, seq {r['seq']}, batch {r.get('batch', 1)}"
+            for r in records if "layers" in r and "seq" in r}  # fmt: skip
+    not_run = sum(1 for r in records if r.get("skipped") or r.get("error", "").startswith("not run"))
+    text = BENCH_TEXT.format(dims=f"Training steps: {'; '.join(dims.values()) or 'no run finished'}",
+                             steps=env.get("steps", "?"), warmup=env.get("warmup", "?"), not_run=not_run)  # fmt: skip
+    gemm = read_jsonl(out / "gemm.jsonl")
+    parts = ["", text, "", *bench_table(records, read_jsonl(out / "plan.jsonl"), gemm)]
+    if gemm:
+        clock = "the host clock" if gemm[0].get("dry_run") else "CUDA events"
+        parts += ["", f"bf16 GEMMs at the models' largest shapes (`benchmarks/gemm_peak.py`, {gemm[0]['device']}; "
+                  f"medians of {gemm[0]['reps']} calls timed by {clock}):", "", *gemm_table(gemm)]  # fmt: skip
+    return parts
+
+
+def _parity_parts(out: Path) -> list[str]:
+    rows = read_jsonl(out / "parity.jsonl")
+    if not rows:
+        return []
+    passed = sum(1 for r in rows if r.get("passed"))
+    device = rows[0].get("device", "?")
+    return ["", f"Parity on CUDA (parity.jsonl, the `parity` stage): {passed} of {len(rows)} entries passed, each "
+            f"against one rank on the same GPU ({device}).", "", *parity_table(rows)]  # fmt: skip
+
+
+def _varlen_parts(out: Path) -> list[str]:
+    varlen = read_jsonl(out / "varlen.jsonl")
+    if not varlen:
+        return []
+    v = varlen[0]
+    return ["", f"Document attention, one call (`plait::document_attention`) vs per segment (one SDPA call per "
+            f"document): {v['heads']} heads, {v['kv_heads']} kv heads, head dim {v['head_dim']}, seq {v['seq']}, "
+            f"{v['dtype']}, {v['device']}; equal documents; medians (device time by CUDA events on a GPU; host: "
+            "until the last op is queued). `benchmarks/bench_varlen.py`.", "", *varlen_table(varlen)]  # fmt: skip
+
+
 def section(out: Path, commit: str | None = None) -> str:
     env = read_env(out)
     dry = env.get("dry_run") == "1"
     date = env.get("date", "?").split(" ")[0]
     title = (f"## GPU lease DRY RUN, {date} (`gpu/lease.sh --dry-run`: CPU, sample outputs, not measurements)"
              if dry else f"## GPU lease, {date} (`gpu/lease.sh`)")  # fmt: skip
-    records = read_jsonl(out / "bench.jsonl")
-    done = {(r["config"], r["mask"], r["mode"]) for r in records}
-    tt_version = next((r["torchtitan_version"] for r in records if r.get("torchtitan_version")), "")
-    for spec in filter(None, env.get("runs", "").split(",")):  # planned, no record: the stage ended first
-        config, mask, mode = (spec.split(":") + ["?", "?"])[:3]
-        if (config, mask, mode) not in done:
-            records.append({"config": config, "mask": mask, "mode": mode, "error": "not run: the stage ended first",
-                            **({"torchtitan_version": tt_version} if mode == "torchtitan" else {})})  # fmt: skip
-    dims = {r["config"]: f"{DIMS.get(r['config'], r['config'])}: {r['layers']} layers, seq {r['seq']}, batch {r.get('batch', 1)}"
-            for r in records if "layers" in r and "seq" in r}  # fmt: skip
-    varlen = read_jsonl(out / "varlen.jsonl")
     stages = read_stages(out)
-    steps, warmup = env.get("steps", "?"), env.get("warmup", "?")
-    spent = sum(s[2] for s in stages)
     stage_text = ", ".join(
         f"{name} {seconds} s" + ("" if rc in ("0", "") else f" (exit {rc}{', its limit' if rc in ('124', '137') else ''})")
         for name, rc, seconds, _ in stages
     )  # fmt: skip
-    not_run = sum(1 for r in records if r.get("skipped") or r.get("error", "").startswith("not run"))
+    smi = smi_line(out)
     parts = [
         title,
         "",
         f"{env.get('gpu', '?')}; python {env.get('python', '?')}, torch {env.get('torch', '?')}, triton "
         f"{env.get('triton', '?')}; commit {commit or env.get('commit', '?')}. Stages: {stage_text or 'none'}; "
-        f"{spent} s of the {env.get('total_s', '?')} s budget.",
+        f"{sum(s[2] for s in stages)} s of the {env.get('total_s', '?')} s budget. Raw outputs: "
+        "benchmarks/leases/ (README there).",
         "",
+        *([smi] if smi else []),
         f"- GPU suite (`python gpu/run.py`): {suite_lines(out)[0]}",
         *[f"  - {line}" for line in suite_lines(out)[1]],
         f"- Varlen signature (`flash_signature()`): {signature(out)}",
     ]
-    if records:
-        parts += [
-            "",
-            f"Training steps: {'; '.join(dims.values()) or 'no run finished'}; bf16, selective AC, one GPU "
-            f"(no expert parallel); {steps} steps, medians "
-            f"of those after {warmup} warmup (compile, autotuning, CUDA graph recording); peak memory the largest "
-            "logged; host ms and GPU busy ms: the last step, profiled (host: its ProfilerStep span; GPU busy: "
-            "the union of its kernels, copies and memsets; profiler overhead included). MFU is each "
-            "framework's own formula; tokens/s compare. torchtitan (the version that fits the lease's torch, "
-            "named in its rows) runs its flavor's attention defaults (in its rows where it said) at the same "
-            f"depth. {not_run} run(s) not started for the budget.",
-            "",
-            *bench_table(records),
-        ]
-    if varlen:
-        v = varlen[0]
-        parts += [
-            "",
-            f"Document attention, one call (`plait::document_attention`) vs per segment (one SDPA call per "
-            f"document): {v['heads']} heads, {v['kv_heads']} kv heads, head dim {v['head_dim']}, seq {v['seq']}, "
-            f"{v['dtype']}, {v['device']}; equal documents; medians (device time by CUDA events on a GPU; host: "
-            "until the last op is queued). `benchmarks/bench_varlen.py`.",
-            "",
-            *varlen_table(varlen),
-        ]
+    parts += _parity_parts(out) + _bench_parts(out, env) + _varlen_parts(out)
     return "\n".join(parts) + "\n"
 
 

@@ -18,6 +18,9 @@ children's. Every microsecond of the profiled step (`ProfilerStep#N`) is put in 
 
 Collectives that run on another thread (gloo's worker) are summed separately as the total time
 the network was busy, so `exposed / total` says how much of it the step waited for.
+
+A CUDA trace (plait-train's or torchtitan's, as benchmarks/gpu.py profiles them): `step_profile`
+gives each profiled step's host launch time and GPU busy time, per step (its docstring).
 """
 
 from __future__ import annotations
@@ -66,12 +69,14 @@ def _category(name: str, ancestors: list[str]) -> str:
 
 
 def _spans_and_steps(trace_path: Path) -> tuple[list[dict], list[dict]]:
-    """A Chrome trace's complete spans, and the ProfilerStep# ones among them (a `.gz` trace, as
-    torchtitan writes them, is read through gzip)."""
+    """A Chrome trace's complete spans, and the host's ProfilerStep# ones among them (not their
+    copies on a CUDA trace's device timeline, `gpu_user_annotation`; a `.gz` trace, as torchtitan
+    writes them, is read through gzip)."""
     with (gzip.open if Path(trace_path).suffix == ".gz" else open)(trace_path, "rt") as f:
         events = json.load(f)["traceEvents"]
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
-    return spans, [e for e in spans if e["name"].startswith("ProfilerStep#")]
+    steps = [e for e in spans if e["name"].startswith("ProfilerStep#") and not e.get("cat", "").startswith("gpu_")]
+    return spans, steps
 
 
 def _in_step(spans: list[dict], step: dict) -> list[dict]:
@@ -129,29 +134,82 @@ def summarize(trace_path: Path) -> dict:
     return summary
 
 
-def device_busy(trace_path: Path) -> dict | None:
-    """A CUDA trace's profiled step: its host time next to the time the GPU was busy (the union of
-    its kernels', copies' and memsets' intervals); busy / host well below 1 means the step is
-    host-bound (launches, Python), near 1 kernel-bound. None for a CPU trace (no device events).
-    The trainer's profile records one active step, so every device event in it is that step's."""
+# The CUDA runtime / driver calls in which the host waits for the device: the sync calls, and the
+# copies (a copy to pageable host memory returns only when the stream's earlier work is done).
+_WAITS = ("Synchronize", "cudaMemcpy", "cuMemcpy")
+_DEVICE = ("kernel", "gpu_memcpy", "gpu_memset")
+_LAUNCHES = ("cuda_runtime", "cuda_driver")
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by [start, end) intervals (overlaps counted once)."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        total += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    return total
+
+
+def _step_figures(step: dict, launches: list[dict], device: dict[int, list[dict]]) -> tuple[dict, list[dict]]:
+    """One ProfilerStep span: its host and GPU times in µs (see step_profile), and its device events."""
+    begin, end = step["ts"], step["ts"] + step["dur"]
+    inside = [e for e in launches if begin <= e["ts"] < end]
+    waits = [(max(e["ts"], begin), min(e["ts"] + e["dur"], end)) for e in inside if any(w in e["name"] for w in _WAITS)]
+    ids = {e["args"]["correlation"] for e in inside if "correlation" in e.get("args", {})}
+    work = [d for i in sorted(ids) for d in device.get(i, ())]
+    spans = [(d["ts"], d["ts"] + d["dur"]) for d in work]
+    wait = _union(waits)
+    figures = {
+        "host_span": float(step["dur"]),
+        "host_wait": wait,
+        "host_launch": step["dur"] - wait,
+        "gpu_busy": _union(spans),
+        "gpu_span": (max(e for _, e in spans) - min(s for s, _ in spans)) if spans else 0.0,
+    }
+    return figures, work
+
+
+def step_profile(trace_path: Path) -> dict | None:
+    """Per-step host and GPU time of a CUDA trace's profiled steps (None for a CPU trace: no device
+    events), each step taken by itself, then averaged over the steps the trace holds.
+
+    A step is a host ProfilerStep# span. Its GPU work is the kernels, copies and memsets that the
+    CUDA calls made inside that span launched (matched by the profiler's correlation ids, from
+    every host thread: autograd's backward thread launches too), wherever they ran on the device's
+    timeline; none of another step. Per step:
+
+      host_launch_ms  the span less the time the host was blocked in a CUDA call that waits for
+                      the device (*Synchronize*, memcpy): Python, dispatch and launches
+      host_wait_ms    that blocked time (overlaps across threads counted once)
+      host_span_ms    the whole ProfilerStep span
+      gpu_busy_ms     the union of the step's device intervals (time the GPU ran this step's work)
+      gpu_span_ms     its first device event's start to its last one's end
+
+    host_launch_ms near the step's wall time: host-bound; gpu_busy_ms near it: GPU-bound. In the
+    trainer's trace a step span opens with the previous step's metrics flush (its host sync and a
+    few small kernels) and ends before its own flush; torchtitan's ends after its own loss read.
+    """
     spans, steps = _spans_and_steps(trace_path)
-    device = sorted((e for e in spans if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    device: dict[int, list[dict]] = defaultdict(list)
+    for e in spans:
+        if e.get("cat") in _DEVICE and "correlation" in e.get("args", {}):
+            device[e["args"]["correlation"]].append(e)
     if not device or not steps:
         return None
-    busy, end = 0.0, float("-inf")
-    for e in device:  # union of intervals, in start order
-        start, stop = max(e["ts"], end), e["ts"] + e["dur"]
-        busy += max(0.0, stop - start)
-        end = max(end, stop)
+    launches = sorted((e for e in spans if e.get("cat") in _LAUNCHES), key=lambda e: e["ts"])
+    measured = [(f, work) for f, work in (_step_figures(s, launches, device) for s in steps) if work]
+    if not measured:
+        return None
+    n = len(measured)
     per_kernel: dict[str, float] = defaultdict(float)
-    for e in device:
-        per_kernel[e["name"][:60]] += e["dur"]
+    for _, work in measured:
+        for e in work:
+            per_kernel[e["name"][:60]] += e["dur"] / n / 1e3
     return {
-        "host_step_ms": max(e["dur"] for e in steps) / 1e3,
-        "device_busy_ms": busy / 1e3,
-        "device_span_ms": (end - device[0]["ts"]) / 1e3,
-        "device_events": len(device),
-        "top_kernels": sorted(((n, t / 1e3) for n, t in per_kernel.items()), key=lambda x: -x[1])[:5],
+        **{f"{key}_ms": sum(f[key] for f, _ in measured) / n / 1e3 for key in measured[0][0]},
+        "device_events": sum(len(work) for _, work in measured) / n,
+        "steps": n,
+        "top_kernels": sorted(per_kernel.items(), key=lambda x: -x[1])[:5],
     }
 
 
@@ -165,6 +223,6 @@ if __name__ == "__main__":
     for path in sys.argv[1:]:
         s = summarize(Path(path))
         print(path, {k: (round(v, 1) if isinstance(v, float) else v) for k, v in s.items()})
-        busy = device_busy(Path(path))
-        if busy:
-            print(path, "device:", {k: (round(v, 1) if isinstance(v, float) else v) for k, v in busy.items()})
+        steps = step_profile(Path(path))
+        if steps:
+            print(path, "per step:", {k: (round(v, 1) if isinstance(v, float) else v) for k, v in steps.items()})

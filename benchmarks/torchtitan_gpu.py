@@ -21,13 +21,26 @@ model, and it ships no Llama 3 1B trainer config. This launcher adds both and to
     values of its repository's torchtitan/models/<model>/train_configs/<C>.toml at v0.2.2 are
     below and stand in for the file (a `--job.config_file` given still wins).
 
+Two more make its run the same work as plait's (gpu.py passes both):
+
+  * `--attention-mask causal` (0.2.2): every flavor's attention over the whole causal row, as
+    plait's causal runs. 0.2.2's DeepSeek-V3 16B defaults to flex attention with a block-causal
+    mask (documents split at EOS), less work than causal; its kernel (flex) is kept, its mask made
+    causal. 0.3.0's language models take only the block-causal mask: its line says so.
+  * `--sac-save plait`: torchtitan's selective AC keeps what plait's does
+    (plait.trainer.activation_checkpoint, `PLAIT_SAVE_OPS` below): every matmul, grouped GEMM and
+    attention output saved. torchtitan's own op policy recomputes every second matmul (and the
+    router's) and, for DeepSeek-V3, every expert GEMM (`_grouped_mm` is not in its save list):
+    more recompute than plait does. Its other rules (what else it saves) stay.
+
 Everything else is torchtitan's own CLI (gpu.py passes the local text folder, the tokenizer, the
 sequence length, batch, steps, compile and, for DeepSeek-V3 on one GPU, expert parallel 1).
 It prints one line of what the parse configured (layers, seq, compile, torchtitan's whole-step
-CUDA graph on or off: 0.3.0's flavors' own default; 0.2.2 has none; and the torchtitan version),
-which gpu.py reads. `--check-args` parses the rest with torchtitan's own parser (these additions
-included), prints that line and exits without training (0.2.2: after building the model on the
-meta device, to show the blocks kept): the lease's dry run checks its command lines on a CPU.
+CUDA graph on or off: 0.3.0's flavors' own default; 0.2.2 has none; the torchtitan version, its
+SAC save list and its attention), which gpu.py reads. `--check-args` parses the rest with
+torchtitan's own parser (these additions included), prints that line and exits without training
+(0.2.2: after building the model on the meta device, to show the blocks kept): the lease's dry
+run checks its command lines on a CPU.
 
 On one GPU (data-parallel degree 1) 0.3.0 still wraps the model in FSDP (bf16 parameters for
 compute, fp32 kept), while 0.2.2 applies no FSDP there and runs the step under bf16 autocast over
@@ -42,155 +55,17 @@ import sys
 import types
 from pathlib import Path
 
-# torchtitan 0.2.2's job configs: its repository's train_configs at v0.2.2 (comments dropped).
-_LLAMA3_8B_022 = """
-[job]
-dump_folder = "./outputs"
-description = "Llama 3 8B training"
+from torchtitan_022_configs import DEEPSEEK_V3_16B_022, LLAMA3_8B_022  # 0.2.2's job configs
 
-[profiling]
-enable_profiling = true
-save_traces_folder = "profile_trace"
-profile_freq = 100
-
-[metrics]
-log_freq = 10
-enable_tensorboard = true
-save_tb_folder = "tb"
-
-[model]
-name = "llama3"
-flavor = "8B"
-hf_assets_path = "./assets/hf/Llama-3.1-8B"
-
-[optimizer]
-name = "AdamW"
-lr = 3e-4
-eps = 1e-8
-
-[lr_scheduler]
-warmup_steps = 200
-
-[training]
-local_batch_size = 1
-seq_len = 8192
-max_norm = 1.0
-steps = 1000
-dataset = "c4"
-
-[parallelism]
-data_parallel_replicate_degree = 1
-data_parallel_shard_degree = -1
-tensor_parallel_degree = 1
-pipeline_parallel_degree = 1
-context_parallel_degree = 1
-
-[checkpoint]
-enable = false
-folder = "checkpoint"
-interval = 500
-last_save_model_only = true
-export_dtype = "float32"
-async_mode = "disabled"
-
-[compile]
-enable = false
-components = ["model", "loss"]
-
-[activation_checkpoint]
-mode = "selective"
-selective_ac_option = "op"
-
-[quantize.linear.float8]
-enable_fsdp_float8_all_gather = false
-precompute_float8_dynamic_scale_for_fsdp = false
-filter_fqns = ["output"]
-
-[validation]
-enable = false
-dataset = "c4_validation"
-freq = 500
-steps = 1200
-"""
-
-_DEEPSEEK_V3_16B_022 = """
-[job]
-dump_folder = "./outputs"
-description = "DeepSeek-V3 16B model training"
-print_config = false
-
-[profiling]
-enable_profiling = false
-save_traces_folder = "profile_trace"
-profile_freq = 10
-enable_memory_snapshot = false
-save_memory_snapshot_folder = "memory_snapshot"
-
-[metrics]
-log_freq = 10
-disable_color_printing = false
-enable_tensorboard = false
-save_tb_folder = "tb"
-enable_wandb = false
-
-[model]
-name = "deepseek_v3"
-flavor = "16B"
-hf_assets_path = "./assets/hf/deepseek-moe-16b-base"
-
-[optimizer]
-name = "AdamW"
-lr = 2.2e-4
-eps = 1e-8
-
-[lr_scheduler]
-warmup_steps = 200
-decay_ratio = 0.8
-decay_type = "cosine"
-min_lr_factor = 0.1
-
-[training]
-local_batch_size = 4
-seq_len = 4096
-max_norm = 1.0
-steps = 1000
-dataset = "c4"
-
-[parallelism]
-data_parallel_replicate_degree = 1
-data_parallel_shard_degree = -1
-fsdp_reshard_after_forward = "default"
-tensor_parallel_degree = 1
-enable_async_tensor_parallel = false
-pipeline_parallel_degree = 1
-pipeline_parallel_schedule = "Interleaved1F1B"
-expert_parallel_degree = 8
-expert_tensor_parallel_degree = 1
-
-[checkpoint]
-enable = false
-folder = "checkpoint"
-interval = 10
-last_save_model_only = true
-export_dtype = "float32"
-async_mode = "disabled"
-
-[activation_checkpoint]
-mode = "selective"
-selective_ac_option = 'op'
-
-[compile]
-enable = true
-components = ["loss"]
-
-[quantize.linear.float8]
-enable_fsdp_float8_all_gather = false
-precompute_float8_dynamic_scale_for_fsdp = false
-filter_fqns = ["output", "router.gate"]
-
-[quantize.grouped_mm.float8]
-fqns = ["experts"]
-"""
+# plait's selective AC save list (plait.trainer.activation_checkpoint._SAVE_OPS, less plait's own
+# ops, which torchtitan never calls), by name: tests/test_combo_lease_figures.py keeps them equal.
+PLAIT_SAVE_OPS = (
+    "aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten._scaled_mm.default", "aten._grouped_mm.default",
+    "aten._scaled_dot_product_efficient_attention.default", "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu.default", "aten._scaled_dot_product_cudnn_attention.default",
+    "_c10d_functional.reduce_scatter_tensor.default", "_c10d_functional.all_gather_into_tensor.default",
+    "_c10d_functional.all_reduce.default", "_c10d_functional.all_to_all_single.default",
+)  # fmt: skip
 
 
 def torchtitan_version() -> str:
@@ -249,8 +124,10 @@ def _install_030(known: argparse.Namespace, rest: list[str], version: str) -> No
                 raise SystemExit(f"--layers {known.layers}: the flavor has {len(layers)} layers")
             config.model_spec.model.layers = layers[: known.layers]
         t = config.training
+        # 0.3.0's language models: block-causal masks only (its get_attention_config); no causal one.
+        extra = f"{_sac_note(known)}, attention block_causal"
         _configured(len(config.model_spec.model.layers), t, config.compile.enable, not t.disable_cuda_graphs,
-                    config.profiler.enable_profiling, version)  # fmt: skip
+                    config.profiler.enable_profiling, version, extra)  # fmt: skip
         return config
 
     ConfigManager.parse_args = parse_args
@@ -258,7 +135,7 @@ def _install_030(known: argparse.Namespace, rest: list[str], version: str) -> No
 
 # ---- torchtitan 0.2.2 -------------------------------------------------------------------------
 
-_JOB_CONFIGS_022 = {"llama3_8b": _LLAMA3_8B_022, "llama3_1b": _LLAMA3_8B_022, "deepseek_v3_16b": _DEEPSEEK_V3_16B_022}
+_JOB_CONFIGS_022 = {"llama3_8b": LLAMA3_8B_022, "llama3_1b": LLAMA3_8B_022, "deepseek_v3_16b": DEEPSEEK_V3_16B_022}
 
 
 def _job_config_022(name: str) -> dict:
@@ -310,9 +187,12 @@ def _install_022(known: argparse.Namespace, rest: list[str], version: str) -> No
             if not 0 < known.layers <= model_args.n_layers:
                 raise SystemExit(f"--layers {known.layers}: the flavor has {model_args.n_layers} layers")
             model_args.n_layers = known.layers
+        if known.attention_mask == "causal" and hasattr(model_args, "attn_mask_type"):
+            model_args.attn_mask_type = "causal"  # DeepSeek-V3 16B's flex keeps its kernel, not its EOS split
         attention = f"{getattr(model_args, 'attn_type', '?')} {getattr(model_args, 'attn_mask_type', '?')}"
+        extra = f"{_sac_note(known)}, attention {attention}"
         _configured(model_args.n_layers, config.training, config.compile.enable, False,
-                    config.profiling.enable_profiling, version, f", attention {attention}")  # fmt: skip
+                    config.profiling.enable_profiling, version, extra)  # fmt: skip
         return config
 
     _add_llama3_1b_022()
@@ -382,16 +262,58 @@ def _triton_stub() -> None:
 # ---- both -------------------------------------------------------------------------------------
 
 
+def _sac_note(known: argparse.Namespace) -> str:
+    return ", SAC plait's save list" if known.sac_save == "plait" else ", SAC its own"
+
+
+def save_like_plait() -> None:
+    """torchtitan's selective-AC policy, with every op of PLAIT_SAVE_OPS saved: the
+    `create_selective_checkpoint_contexts` it makes each block's policy with wraps that policy
+    (0.2.2 imports it from torch.utils.checkpoint when it applies SAC, 0.3.0 holds it in its
+    module: both are wrapped, in this process only). The policy is still asked first (its mm
+    counters stay in step); its other decisions stand."""
+    import torch
+    import torch.utils.checkpoint as checkpoint
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    save = set()
+    for name in PLAIT_SAVE_OPS:
+        namespace, op, overload = name.split(".")
+        packet = getattr(getattr(torch.ops, namespace), op, None)
+        if packet is not None and hasattr(packet, overload):
+            save.add(getattr(packet, overload))
+
+    def wrap(make):
+        def contexts(policy, *args, **kwargs):
+            def plait_policy(ctx, func, *op_args, **op_kwargs):
+                decision = policy(ctx, func, *op_args, **op_kwargs)
+                return CheckpointPolicy.MUST_SAVE if func in save else decision
+
+            return make(plait_policy, *args, **kwargs)
+
+        return contexts
+
+    import torchtitan.distributed.activation_checkpoint as ac
+
+    for module in (checkpoint, ac):
+        if hasattr(module, "create_selective_checkpoint_contexts"):
+            module.create_selective_checkpoint_contexts = wrap(module.create_selective_checkpoint_contexts)
+
+
 def install(argv: list[str]) -> str:
     """Make torchtitan's ConfigManager parse `argv` with this launcher's additions; the torchtitan
     version found."""
     ours = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     ours.add_argument("--layers", type=int)
+    ours.add_argument("--attention-mask", choices=("causal",))
+    ours.add_argument("--sac-save", choices=("plait",))
     version = torchtitan_version()
     if _legacy(version):  # 0.3.0's --config is its own option: left in `rest` there
         ours.add_argument("--config")
     known, rest = ours.parse_known_args(argv)
     (_install_022 if _legacy(version) else _install_030)(known, rest, version)
+    if known.sac_save == "plait":
+        save_like_plait()
     return version
 
 

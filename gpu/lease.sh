@@ -5,11 +5,14 @@
 #
 #   bash gpu/wheels.sh              here first (PyPI): what that python lacks, into .whl (git-ignored)
 #   bash gpu/lease.sh               there, as the device call's command: carry [".whl"], timeout_s 540
-#   python benchmarks/lease_table.py <the files that came back> --results benchmarks/RESULTS.md
+#   python benchmarks/lease_archive.py <the files that came back> --results benchmarks/RESULTS.md
+#                                   here: the raw outputs into benchmarks/leases/<date>-<commit>/ (its
+#                                   README), the table regenerated from them and put in RESULTS.md
 #   bash gpu/lease.sh --dry-run     on a CPU: every stage but the CUDA work (tests/test_combo_lease_dry_run.py)
 #
 # Options: --total S (default 520: the whole command), --collectives S (45), --suite S (120),
-# --parity S (200), --varlen S (75); 0 skips a stage. --runs CONFIG:MASK:MODE,... (benchmarks/gpu.py's, in priority order), --steps N --warmup N
+# --parity S (200), --varlen S (75), --gemm S (30), --plan S (40: at most; what is left); 0 skips
+# a stage. --runs CONFIG:MASK:MODE,... (benchmarks/gpu.py's, in priority order), --steps N --warmup N
 # (10, 4), --batch-16b N (1: DeepSeek's local batch), --torchtitan-version auto|0.3.0|0.2.2 (auto:
 # the one that fits the torch; a dry run here checks 0.2.2's command lines with 0.2.2's parser).
 # Arguments after `--` go to pytest (the suite). PLAIT_WHEELS=DIR: another wheel folder than .whl
@@ -24,10 +27,15 @@
 #   suite.log             gpu/run.py: every CUDA-only branch against its reference (the varlen tests too)
 #   signature.txt         plait.models.document_attention.flash_signature(): the varlen signature found
 #   varlen.jsonl, .log    benchmarks/bench_varlen.py: one call vs per segment, Llama 3 8B dims, seq 8192
-#   bench.jsonl, .log     benchmarks/gpu.py: tokens/s, MFU, peak memory, host and GPU busy time of
-#   runs/                 the profiled last step, for plait (eager / compile / CUDA graphs, causal and
-#                         document) and torchtitan (causal: 0.3.0 where the torch is >= 2.12, else
-#                         0.2.2; gpu.py picks); each run's last log lines
+#   bench.jsonl, .log     benchmarks/gpu.py: tokens/s, step time (wall clock and CUDA events), MFU
+#   runs/                 (attention whole and halved), peak memory, host launch and GPU busy time
+#                         per step of the profiled last step, for plait (eager / compile / CUDA
+#                         graphs, causal and document) and torchtitan (causal: 0.3.0 where the torch
+#                         is >= 2.12, else 0.2.2; gpu.py picks); each run's last log lines, its
+#                         metrics.jsonl and its trace (.trace.json.gz) in runs/
+#   gemm.jsonl, .log      benchmarks/gemm_peak.py: bf16 GEMMs at the models' largest shapes (CUDA events)
+#   nvidia-smi.txt        nvidia-smi -q idle, and clocks / power / throttle reasons under that GEMM load
+#   plan.jsonl, .log      benchmarks/lease_plan.py: plait-plan's peak memory and ideal step per plait run
 #   table.md              benchmarks/lease_table.py: all of the above as one dated RESULTS.md section
 #
 # Budget (TOTAL_S = 520 s for the command; the device call's timeout_s 540 holds it, the machine's
@@ -38,11 +46,14 @@
 #   suite      120 s                       ~90 s, plus the varlen tests
 #   parity     200 s                       not yet measured (~70 short runs; what finished is kept)
 #   bench      what is left, less 30 s     the first 4 runs: plait vs torchtitan, compiled, both configs
+#   gemm       30 s                        not yet measured (~10 s: 8 GEMMs x 13 calls, 3 s of load)
 #   signature  30 s                        ~5 s
 #   varlen     75 s                        ~20 s
 #   bench_rest what is left, less 30 s     the other 14 runs of ~25-45 s (compile start-up dominates),
 #                                          most wanted first; gpu.py starts a run only with 40 s left
 #                                          (one run at most 150 s) and records the rest as not run
+#   plan       what is left, at most 40 s  not yet measured (CPU: the distinct layouts in parallel); what
+#                                          it leaves out: `python benchmarks/lease_plan.py` here after
 #   table      15 s                        ~1 s
 # Order: what issue 50 needs first (collectives, the suite, parity, plait vs torchtitan), then the rest.
 # What that python lacks travels as wheels in .whl: plait's (`datasets` and two of its needs) go in
@@ -53,7 +64,7 @@
 # gpu/run.py does, so nothing is built there.
 set -u
 cd "$(dirname "$0")/.."
-DRY=0 TOTAL_S=520 COLLECTIVES_S=45 SUITE_S=120 PARITY_S=200 VARLEN_S=75 STEPS=10 WARMUP=4 BATCH_16B=1 TT_VERSION=auto
+DRY=0 TOTAL_S=520 COLLECTIVES_S=45 SUITE_S=120 PARITY_S=200 VARLEN_S=75 GEMM_S=30 PLAN_S=40 STEPS=10 WARMUP=4 BATCH_16B=1 TT_VERSION=auto
 RUNS=llama3-8B:causal:compile,llama3-8B:causal:torchtitan,deepseek-16B:causal:compile,deepseek-16B:causal:torchtitan
 RUNS+=,llama3-8B:causal:float8rw,llama3-8B:causal:float8tw,deepseek-16B:causal:float8rw,deepseek-16B:causal:float8x
 RUNS+=,llama3-8B:document:compile,deepseek-16B:document:compile
@@ -68,6 +79,8 @@ while [ $# -gt 0 ]; do
         --suite) SUITE_S=$2; shift ;;
         --parity) PARITY_S=$2; shift ;;
         --varlen) VARLEN_S=$2; shift ;;
+        --gemm) GEMM_S=$2; shift ;;
+        --plan) PLAN_S=$2; shift ;;
         --runs) RUNS=$2; shift ;;
         --steps) STEPS=$2; shift ;;
         --warmup) WARMUP=$2; shift ;;
@@ -199,6 +212,13 @@ FIRST_RUNS=$(echo "$RUNS" | cut -d, -f1-4)
 REST_RUNS=$(echo "$RUNS" | cut -s -d, -f5-)
 bench bench "$FIRST_RUNS"
 
+# ---- gemm: what the GPU reaches (bf16 GEMMs at the models' shapes), nvidia-smi -q idle and under that load
+if [ "$GEMM_S" -gt 0 ]; then
+    GEMM=(--json "$OUT/gemm.jsonl" --smi "$OUT/nvidia-smi.txt" --batch-16b "$BATCH_16B")
+    [ $DRY = 1 ] && GEMM+=(--dry-run)
+    stage gemm "$GEMM_S" gemm.log $PY benchmarks/gemm_peak.py "${GEMM[@]}"
+fi
+
 # ---- signature: which varlen signature the op found in this torch
 stage signature 30 signature.txt $PY -c \
     "from plait.models.document_attention import flash_signature; print(flash_signature())"
@@ -211,6 +231,18 @@ if [ "$VARLEN_S" -gt 0 ]; then
 fi
 
 [ -n "$REST_RUNS" ] && bench bench_rest "$REST_RUNS"
+
+# ---- plan: plait-plan's peak memory and step for each plait run (CPU), in what is left (the dry run: the first)
+PLAN_LEFT=$((TOTAL_S - (SECONDS - START) - 20))
+[ "$PLAN_LEFT" -gt "$PLAN_S" ] && PLAN_LEFT=$PLAN_S
+[ $DRY = 1 ] && PLAN_LEFT=150  # one plan on a CPU that may be shared: no budget to keep
+if [ "$PLAN_S" -gt 0 ] && [ "$PLAN_LEFT" -ge 15 ]; then
+    PLAN=(--deadline $((PLAN_LEFT - 5)))
+    [ $DRY = 1 ] && PLAN+=(--dry-run)
+    stage plan "$PLAN_LEFT" plan.log $PY benchmarks/lease_plan.py "$OUT" "${PLAN[@]}"
+elif [ "$PLAN_S" -gt 0 ]; then
+    printf 'plan\tskipped\t0\t%s\n' "$PLAN_LEFT" >>"$OUT/stages.tsv"
+fi
 
 # ---- table: all of it as one RESULTS.md section, $OUT/table.md
 stage table 15 table.log $PY benchmarks/lease_table.py "$OUT"

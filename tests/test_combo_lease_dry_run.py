@@ -57,7 +57,9 @@ def dry_run(tmp_path_factory) -> Path:
 
 def test_every_stage_passes(dry_run):
     stages = {line.split("\t")[0]: line.split("\t")[1] for line in (dry_run / "stages.tsv").read_text().splitlines()}
-    assert list(stages) == ["setup", "suite", "signature", "varlen", "bench", "table"]
+    # issue 50's order: what a lease needs first, then the rest
+    assert list(stages) == ["setup", "collectives", "suite", "parity", "bench", "gemm", "signature", "varlen",
+                            "bench_rest", "plan", "table"]  # fmt: skip
     assert set(stages.values()) == {"0"}, stages
     env = lease_table.read_env(dry_run)
     assert env["dry_run"] == "1" and env["torch"] and env["commit"]
@@ -72,19 +74,58 @@ def test_table_has_every_run_and_the_ratios(dry_run):
     assert [r for r in records if "error" in r] == [], "a command line failed plait's or torchtitan's parser"
     table = (dry_run / "table.md").read_text()
     assert table.startswith("## GPU lease DRY RUN")
-    rows = [line for line in table.splitlines() if line.startswith(("| llama3-8B", "| deepseek-16B"))]
+    lines = table.splitlines()
+    # the training runs' table (the GEMMs' table has rows per config too)
+    start = lines.index(lease_table.BENCH_HEADER[0]) + 2
+    rows = lines[start : lines.index("", start)]
     assert len(rows) == RUNS
+    planned = 0
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
-        config, mask, mode, tps, mfu, gib, host, busy, vs_tt, vs_causal = cells
-        assert tps.replace(",", "").isdigit() and mfu.endswith("%") and float(gib) > 0
-        assert float(host) > 0 and float(busy) > 0  # the sample traces' profiled step
+        (config, mask, mode, tps, wall, events, tflops, mfu, mfu_half, of_gemm, gib, planned_gib, planned_ms, host,
+         busy, vs_tt, vs_causal) = cells  # fmt: skip
+        assert tps.replace(",", "").isdigit() and float(wall) > 0 and float(tflops) > 0 and float(gib) > 0
+        assert mfu.endswith("%") and mfu_half.endswith("%") and float(mfu_half[:-1]) < float(mfu[:-1])
+        assert of_gemm == "-"  # a dry run's GEMMs (a CPU at 1/64 of the dims) are no peak
+        # the samples' profiled step, per step: 101 ms of host work, 308 ms of GPU work (its own
+        # launches; not the previous step's tail) for plait; 50 and 268 for torchtitan
+        assert (host, busy) == (("50", "268") if "torchtitan" in mode else ("101", "308")), row
+        if mode.startswith("plait"):
+            assert events == "312.0" and wall == "313.3"  # the samples: CUDA events within 2 % of the wall clock
+        planned += planned_gib != "-"
+        if planned_gib != "-":  # the dry run plans the first layout: Llama 3 8B dims, causal
+            assert (config, mask) == ("llama3-8B", "causal") and float(planned_gib) > 30 and float(planned_ms) > 0
         if mode.startswith("plait") and mask == "causal":
-            assert vs_tt == "1.08x"  # the samples: 26,150 / 24,150 tokens/s
+            assert vs_tt == "1.08x"  # the samples: 26,150 / 24,150 tokens/s, the same work (equal_work)
         if mask == "document":
             assert vs_causal == "1.00x"
+    assert planned == 3  # eager, compile and CUDA graphs trace one plan; float8 is another layout
     torchtitan = [row for row in rows if "| torchtitan 0.3.0 (compile" in row]
-    assert len(torchtitan) == 2 and all("| causal |" in row for row in torchtitan)
+    assert len(torchtitan) == 2 and all("| causal |" in row and "SAC plait's save list" in row for row in torchtitan)
+
+
+def test_gemm_and_plan_stages_and_the_runs_raw_outputs(dry_run):
+    """The lease's figures beyond the runs: the GEMM stage (bf16 GEMMs at the models' shapes, the
+    nvidia-smi report: a sample in the dry run), the plan stage (plait-plan for the first layout),
+    and each run's raw outputs kept for benchmarks/leases/ (metrics.jsonl, gzipped trace)."""
+    stages = {line.split("\t")[0]: line.split("\t")[1] for line in (dry_run / "stages.tsv").read_text().splitlines()}
+    assert stages["gemm"] == "0" and stages["plan"] == "0", stages
+    gemm = [json.loads(line) for line in (dry_run / "gemm.jsonl").read_text().splitlines()]
+    assert [(r["config"], r["gemm"]) for r in gemm][::4] == [("llama3-8B", "FFN up (w1, w3)"),
+                                                             ("deepseek-16B", "dense FFN up")]  # fmt: skip
+    assert all(r["tflops"] > 0 and r["dry_run"] for r in gemm)
+    table = (dry_run / "table.md").read_text()
+    assert "- GPU (`nvidia-smi -q`, nvidia-smi.txt): NVIDIA H200, form factor SXM by its 700 W limit" in table
+    assert "| llama3-8B | output head | 128 x 64 x 2004 |" in table  # the dry run's dims / 64
+    plans = [json.loads(line) for line in (dry_run / "plan.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (dry_run / "bench.jsonl").read_text().splitlines()]
+    assert len(plans) == sum(1 for r in records if r["framework"] == "plait")
+    assert plans[0]["planned_peak_gib"] > 30 and plans[0]["planned_step_ms"] > 0 and plans[0]["plan_device"] == "h100"
+    for r in records:
+        assert (dry_run / r["trace_file"]).exists(), r  # every run's profiled step, gzipped
+        if r["framework"] == "plait":
+            rows = (dry_run / r["metrics_file"]).read_text().splitlines()
+            assert len(rows) == 10 and "device_step_s" in json.loads(rows[-1])
 
 
 def test_table_has_the_suite_the_signature_and_the_attention_rows(dry_run):
@@ -129,6 +170,8 @@ def test_torchtitan_022_command_lines(tmp_path):
         assert opts["--compile.components"] == "model,loss" and "--compile.enable" in cmd
         assert opts["--profiling.profile_freq"] == "3" and opts["--profiling.save_traces_folder"] == "profiling/traces"
         assert not {"--module", "--dump_folder", "--training.disable_cuda_graphs"} & set(cmd)
+        # plait's work: causal attention (0.2.2's DeepSeek-V3 defaults to an EOS-split mask), plait's SAC
+        assert opts["--attention-mask"] == "causal" and opts["--sac-save"] == "plait"
     ep = "--parallelism.expert_parallel_degree"
     assert ep in commands[1] and ep not in commands[0]  # DeepSeek-V3 on one GPU: expert parallel 1
     records = [json.loads(line) for line in out.read_text().splitlines()]
@@ -191,3 +234,19 @@ def _gone(pid: int, wait_s: float = 10.0) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def test_collectives_and_parity_stages_write_their_records(dry_run):
+    """The CPU dry run of the lease's first stages: every collective probed (natively, and plait's
+    staged point-to-point), and one parity entry run end to end into parity.jsonl."""
+    collectives = [json.loads(line) for line in (dry_run / "collectives.jsonl").read_text().splitlines()]
+    assert {r["op"] for r in collectives} >= {"all_reduce sum", "broadcast", "all_gather_into_tensor",
+                                              "reduce_scatter_tensor sum", "all_to_all_single uneven splits",
+                                              "isend / irecv", "send / recv"}  # fmt: skip
+    assert all(r["native"] == "ok" and r["device"] == "cpu" for r in collectives), collectives
+    assert [r["staged"] for r in collectives if r["staged_by_plait"]] == ["ok", "ok"]
+    parity = [json.loads(line) for line in (dry_run / "parity.jsonl").read_text().splitlines()]
+    assert [(r["layout"], r["model"], r["dtype"], r["ranks"], r["passed"]) for r in parity] == [
+        ("FSDP 2", "llama3", "float32", 2, True)
+    ]
+    assert parity[0]["max_loss_diff"] <= parity[0]["tolerance"] and parity[0]["host_syncs_per_step"] == 0

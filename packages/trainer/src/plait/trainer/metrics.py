@@ -5,7 +5,10 @@ the window is flushed: one all-reduce of the stacked losses over the data-parall
 one device-to-host copy, then one metrics.jsonl line per step, a console line, tensorboard
 scalars (and the same scalars to Weights & Biases under metrics.wandb: wandb_logger.py) and the
 tqdm bar. Throughput, MFU and memory are window averages (a step's own wall
-time is not known without a sync); data-loading time is per step (host time).
+time is not known without a sync); data-loading time is per step (host time). On CUDA each
+row also has `device_step_s`, the step's own time by CUDA events: from the event recorded after
+the previous step's work (or at the window's start, or after a validation) to the one after this
+step's, read at the flush (no sync of its own).
 """
 
 import contextlib
@@ -99,6 +102,18 @@ class _Window:
     extras: list[dict] = field(default_factory=list)  # per step: name -> device tensor or number
     start: float = field(default_factory=time.perf_counter)
     excluded_s: float = 0.0  # time inside the window that was not training (validation)
+    # CUDA timing events: each recorded step's (start, end), and where the next step starts
+    step_events: list = field(default_factory=list)
+    next_start: object = None
+
+
+def _device_event(device: torch.device):
+    """A timing event recorded now on the device's current stream (CUDA), else None."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 class MetricsLogger:
@@ -130,7 +145,7 @@ class MetricsLogger:
         self.tokens_per_rank = tokens_per_step_per_rank
         self.flops_per_token = flops_per_token
         self.peak = peak_tflops_per_rank
-        self.window = _Window()
+        self.window = self._new_window()
         self.last: dict = {}
         self.jsonl = None
         self.tb = None
@@ -163,6 +178,15 @@ class MetricsLogger:
         w.lrs.append(lr)
         w.data_s.append(data_s)
         w.extras.append(dict(extra or {}))
+        end = _device_event(self.device)
+        if end is not None:
+            w.step_events.append((w.next_start, end))
+            w.next_start = end
+
+    def _new_window(self) -> _Window:
+        w = _Window()
+        w.next_start = _device_event(self.device)  # after the window's clock starts: nested in its wall time
+        return w
 
     def window_finite(self) -> bool:
         """Whether every loss and grad norm recorded since the last flush is finite on every rank:
@@ -178,6 +202,8 @@ class MetricsLogger:
     def exclude(self, seconds: float) -> None:
         """Leave `seconds` (e.g. validation) out of the current window's throughput."""
         self.window.excluded_s += seconds
+        if self.window.next_start is not None:  # and its device work out of the next step's device_step_s
+            self.window.next_start = _device_event(self.device)
 
     def flush(self) -> list[dict]:
         """Write every recorded step; return their rows (all ranks get the same losses)."""
@@ -193,6 +219,8 @@ class MetricsLogger:
         tps_rank = self.tokens_per_rank / step_s
         tflops = self.flops_per_token * tps_rank / 1e12
         mem = memory_gib(self.device)
+        # The copy above waited for every event too: elapsed_time needs no sync of its own.
+        device_s = [start.elapsed_time(end) / 1e3 for start, end in w.step_events]
         rows = []
         for i, step in enumerate(w.steps):
             rows.append(
@@ -208,10 +236,11 @@ class MetricsLogger:
                     "memory_gib": mem,
                     "step_time_s": step_s,
                     "data_time_s": w.data_s[i],
+                    **({"device_step_s": device_s[i]} if len(device_s) == n else {}),
                     **extras[i],
                 }
             )
-        self.window = _Window()
+        self.window = self._new_window()
         self.last = rows[-1]
         if self.rank == 0:
             self._write(rows)
