@@ -236,6 +236,7 @@ def _search_space(config, plan_args) -> _Space:
     usable = (plan_args.device_memory_gib or device.memory_gib) * GIB * (1 - HEADROOM)
     base = copy.deepcopy(config)
     base.parallelism.pp = 1
+    base.parallelism.layers_per_stage = []  # the config's split is for its own pp: candidates split evenly
     first = validate(_with(base, Candidate(1, 1, world, 1, 1, 1, 1, 1, 1, "none")), world_size=world, need_data=False)
     return _Space(world, base, usable, n_experts=_routed_experts(first.model, first.info),
                   shape=model_shape(first.model, first.info), seq_len=config.training.seq_len,
