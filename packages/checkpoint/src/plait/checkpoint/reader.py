@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from plait.mesh.errors import InfrastructureFault
+
 from . import store
 from .collect import all_gather, broadcast
 from .store import CheckpointError
@@ -26,18 +28,36 @@ log = logging.getLogger("plait.checkpoint")
 
 
 def agree(decide: Callable):
-    """Run `decide()` on rank 0 and return its result on every rank, or raise its CheckpointError
-    on every rank."""
+    """Run `decide()` on rank 0 and return its result on every rank, or raise what it raised on
+    every rank, in one line: a CheckpointError as itself, an OSError (EIO, a stale NFS handle) as
+    an InfrastructureFault, anything else as a RuntimeError. Nothing escapes rank 0 before the
+    broadcast: the other ranks would wait in it until the collective timeout."""
     verdict = None
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
             verdict = ("ok", decide())
-        except CheckpointError as e:
-            verdict = ("error", str(e))
+        except Exception as e:  # noqa: BLE001 (every rank must learn it, see above)
+            verdict = (_kind(e), _one_line(e))
     kind, value = broadcast(verdict)
-    if kind == "error":
-        raise CheckpointError(value)
+    if kind != "ok":
+        raise _ERRORS[kind](value)
     return value
+
+
+_ERRORS = {"checkpoint": CheckpointError, "io": InfrastructureFault, "error": RuntimeError}
+
+
+def _kind(error: Exception) -> str:
+    if isinstance(error, CheckpointError):
+        return "checkpoint"
+    return "io" if isinstance(error, OSError) else "error"
+
+
+def _one_line(error: Exception) -> str:
+    if isinstance(error, CheckpointError):
+        return str(error)
+    text = (str(error).splitlines() or [""])[0]
+    return f"checkpoint: rank 0 could not choose a checkpoint: {type(error).__name__}: {text}"
 
 
 def newest_verified(folder: str | Path, rejected: set[str] | None = None) -> tuple[str | None, dict | None]:
@@ -76,13 +96,21 @@ def choose_verified(choose: Callable[[set[str]], tuple], rejected: set[str] | No
 def verify(path: Path, meta: dict) -> tuple[str | None, str | None]:
     """Every rank hashes every world_size-th recorded file; the first problem any rank found
     in the model / optimizer files, and the first in the RNG files (which alone do not reject
-    a checkpoint: it resumes re-seeded)."""
+    a checkpoint: it resumes re-seeded). A file that cannot be read on any rank raises an
+    InfrastructureFault on every rank (a requeue retries; skipping it could start the run over)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     names = sorted(meta.get("checksums") or {})[rank::world]
     rng_names = [n for n in names if store.is_rng_file(n)]
     rng_names = [n for n in rng_names if (Path(path) / n).is_file()]  # a missing one: check() noted it
-    problem = store.verify_checksums(path, meta, [n for n in names if not store.is_rng_file(n)])
-    rng_problem = store.verify_checksums(path, meta, rng_names)
-    gathered = all_gather((problem, rng_problem))
-    return next((p for p, _ in gathered if p), None), next((r for _, r in gathered if r), None)
+    problem = rng_problem = unreadable = None
+    try:
+        problem = store.verify_checksums(path, meta, [n for n in names if not store.is_rng_file(n)])
+        rng_problem = store.verify_checksums(path, meta, rng_names)
+    except OSError as e:  # EIO, a stale NFS handle: the storage's fault, not the checkpoint's
+        unreadable = f"checkpoint: {path} cannot be read on rank {rank}: {store.cause_of(e)}"
+    gathered = all_gather((problem, rng_problem, unreadable))
+    unreadable = next((u for _, _, u in gathered if u), None)
+    if unreadable:  # every rank, after the gather: skipping it could start the run over
+        raise InfrastructureFault(unreadable)
+    return next((p for p, _, _ in gathered if p), None), next((r for _, r, _ in gathered if r), None)

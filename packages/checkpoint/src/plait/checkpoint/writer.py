@@ -97,13 +97,17 @@ class CheckpointWriter:
             test_kill(KILL_AFTER_SAVE, step)
 
     def _save_in_background(self, step: int, sd: dict, meta: dict, tmp: Path, t0: float) -> None:
+        problem, written = None, None
         try:
             with store.single_process_quiet():
                 written = dcp.async_save(
                     sd, checkpoint_id=str(tmp), process_group=self.async_group, no_dist=not dist.is_initialized()
                 )
-        except (Exception, CheckpointException) as e:
-            self._raise_if_failed(step, tmp, [store.cause_of(e)])
+        except (Exception, CheckpointException) as e:  # staging (out of memory), the writer's set-up
+            problem = f"staging the background save failed on rank {self.rank}: {store.cause_of(e)}"
+        # Every rank, now: one that raised alone here would leave the others waiting in the next
+        # step's collectives (their own writes go on in their threads, and end with the process).
+        self._raise_if_failed(step, tmp, self._agreed(problem))
         if self.hasher is None:
             self.hasher = ThreadPoolExecutor(1, thread_name_prefix="plait-checksums")
         future = self.hasher.submit(self._hash_when_written, written, tmp)
@@ -159,6 +163,8 @@ class CheckpointWriter:
             self._publish(step, tmp, dict(meta, crcs=crcs), how)
         except (OSError, CheckpointError) as e:
             return store.cause_of(e)
+        except Exception as e:  # noqa: BLE001 (anything else too: the other ranks wait for the verdict)
+            return f"publishing failed on rank 0: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
         return None
 
     def _publish(self, step: int, tmp: Path, meta: dict, how: str) -> None:
