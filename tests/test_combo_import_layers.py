@@ -61,3 +61,13 @@ def test_imports_that_only_look_circular_pass(tmp_path):
         "export.py": "from . import store\nfrom .store import CheckpointError\n",
     })  # fmt: skip
     assert import_layers.problems(tmp_path) == []
+
+
+def test_a_package_the_table_does_not_know_fails(tmp_path):
+    """Issue 53: a plait package outside DESIGN.md's table was not checked at all."""
+    _package(tmp_path, "mesh", {"__init__.py": ""})
+    _package(tmp_path, "newthing", {"__init__.py": "from plait.mesh import build_meshes\n"})
+    _package(tmp_path, "data", {"__init__.py": "from plait.newthing import x\n"})
+    found = import_layers.problems(tmp_path)
+    assert any("packages/newthing: plait.newthing is not in DESIGN.md's package table" in f for f in found), found
+    assert any("plait.data imports plait.newthing, which DESIGN.md does not allow" in f for f in found), found
