@@ -105,6 +105,16 @@ def test_tokens_bin_not_matching_meta(corpus, tok, tmp_path):
         loader(bad, tok)
 
 
+@pytest.mark.parametrize("field, value", [("num_tokens", "1234"), ("num_documents", 2.5), ("n_words", True)])
+def test_a_count_in_meta_that_is_not_a_number(corpus, tok, tmp_path, field, value):
+    """Issue 53: a string num_tokens was a TypeError traceback."""
+    _, folder = corpus
+    bad = copy(folder, tmp_path)
+    write_meta(bad, **{field: value})
+    with pytest.raises(DataError, match=f"meta.json has {field} = {value!r}, not a whole number >= 0"):
+        loader(bad, tok)
+
+
 def test_another_tokenizer_of_the_same_size(corpus, tok, tmp_path):
     from plait.data.tokenizer import read_bpe_ranks, write_bpe_ranks
 

@@ -20,6 +20,7 @@ from .errors import DataError
 TOKENS_FILE, OFFSETS_FILE, META_FILE = "tokens.bin", "offsets.npy", "meta.json"
 # What every reader of meta.json needs (pretokenize.py writes them all).
 REQUIRED_META = ("num_documents", "num_tokens", "n_words", "bos_id", "eos_id", "tokenizer")
+INTEGER_META = ("num_documents", "num_tokens", "n_words")  # counts (ids may be -1 or None: none)
 
 
 def tokenizer_sha256(tokenizer) -> str:
@@ -46,6 +47,10 @@ def read_meta(folder: str | Path) -> dict:
     missing = [k for k in REQUIRED_META if not isinstance(meta, dict) or k not in meta]
     if missing:
         raise DataError(f"{folder}: {META_FILE} lacks {', '.join(missing)} (not written by pretokenize, or edited); {fix}")
+    # The counts and ids are whole numbers (a bool is not one; a string was a TypeError traceback).
+    wrong = [f"{k} = {meta[k]!r}" for k in INTEGER_META if k in meta and (type(meta[k]) is not int or meta[k] < 0)]
+    if wrong:
+        raise DataError(f"{folder}: {META_FILE} has {', '.join(wrong)}, not a whole number >= 0 (edited?); {fix}")
     size = (folder / TOKENS_FILE).stat().st_size if (folder / TOKENS_FILE).is_file() else -1
     # pretokenize.py writes exactly the tokens (one placeholder id for an empty folder).
     if len(offsets) != meta["num_documents"] + 1 or size != 4 * max(meta["num_tokens"], 1):
