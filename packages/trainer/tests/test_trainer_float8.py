@@ -50,6 +50,25 @@ def test_bad_float8_experts_settings_are_one_line():
         assert "\n" not in str(info.value)
 
 
+def test_float8_experts_dims_are_checked_on_the_expert_tensor_parallel_shard():
+    """Issue 53: DeepSeek-V3 16B, mxfp8, etp 8 passed validation and the kernel got K = 176."""
+    import torch
+
+    from plait.trainer.float8_experts import check_float8_experts
+    from plait.trainer.model_args import model_spec, resolve_model_args
+
+    config = _config("model.name", "deepseek_v3", "model.flavor", "16B", "training.dtype", "bfloat16",
+                     "training.float8_experts", "mxfp8")  # fmt: skip
+    spec = model_spec(config)
+    with torch.device("meta"):
+        model = spec.model_cls(resolve_model_args(config, spec))
+    experts = [model.get_submodule(p) for p in model.parallel_info()["experts"]]
+    check_float8_experts(config, experts, None, device_known=False, etp=1)  # 2048 / 1408: multiples of 32
+    with pytest.raises(ConfigError, match=r"hidden 176 \(1408 / parallelism.etp 8 on each rank\)") as info:
+        check_float8_experts(config, experts, None, device_known=False, etp=8)
+    assert "\n" not in str(info.value)
+
+
 def test_float8_experts_pad_groups_to_32_rows_and_stay_close_to_bf16():
     """The experts' GEMMs go through torchao's MXFP8 grouped GEMM on rows padded to 32 per expert
     (the kernel's rule, kept on the CPU too), forward and backward, near the bf16 result."""

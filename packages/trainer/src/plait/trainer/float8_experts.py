@@ -33,9 +33,10 @@ def experts_recipe(config: Config, cuda_capability: tuple[int, int] | None) -> s
 
 
 def check_float8_experts(config: Config, experts: list[nn.Module], cuda_capability: tuple[int, int] | None,
-                         device_known: bool = True) -> None:
+                         device_known: bool = True, etp: int = 1) -> None:
     """One line for each setting the float8 experts cannot run with, before anything is built.
-    `device_known = False` (plait-plan, planning for another machine): no check of this device."""
+    `device_known = False` (plait-plan, planning for another machine): no check of this device.
+    `etp`: expert tensor parallel shards the experts' hidden dim, and the kernel sees the shard."""
     t = config.training
     if t.float8_experts == "off":
         return
@@ -51,10 +52,12 @@ def check_float8_experts(config: Config, experts: list[nn.Module], cuda_capabili
         _check_device(setting, recipe, cuda_capability)
     w1 = experts[0].w1  # [E, dim, hidden]
     dim, hidden = w1.shape[1], w1.shape[2]
-    if dim % MULTIPLE[recipe] or hidden % MULTIPLE[recipe]:
+    shard = hidden // etp if hidden % etp == 0 else hidden / etp
+    if dim % MULTIPLE[recipe] or shard % MULTIPLE[recipe]:
+        per = f" ({hidden} / parallelism.etp {etp} on each rank)" if etp > 1 else ""
         raise ConfigError(f"{setting}: the {recipe} grouped GEMM needs the experts' dims to be multiples of "
-                          f"{MULTIPLE[recipe]}; this model's are dim {dim} and hidden {hidden} (--model.dim / "
-                          "--model.moe_inter_dim), or set it to off.")
+                          f"{MULTIPLE[recipe]}; this model's are dim {dim} and hidden {shard:g}{per} (--model.dim / "
+                          "--model.moe_inter_dim" + (", parallelism.etp" if etp > 1 else "") + "), or set it to off.")
 
 
 def _check_device(setting: str, recipe: str, cuda_capability: tuple[int, int] | None) -> None:

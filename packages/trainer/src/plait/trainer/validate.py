@@ -278,7 +278,7 @@ def validate(config: Config, world_size: int | None = None, check_memory: bool =
     # The GPU's kind is this machine's unless plait-plan checks a layout for another one.
     capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
     check_float8_experts(config, [model.get_submodule(p) for p in info.get("experts", ())], capability,
-                         device_known=need_data)  # fmt: skip
+                         device_known=need_data, etp=dims.etp)  # fmt: skip
     n_bytes = sum(p.numel() for p in model.parameters()) * 4
     full_init = config.model.init == "full" or (config.model.init == "auto" and n_bytes <= FULL_INIT_MAX_BYTES)
     if config.training.compile and not _has_compiler():
