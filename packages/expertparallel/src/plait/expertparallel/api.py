@@ -271,6 +271,7 @@ def _attach_dispatcher(model: nn.Module, path: str, module: nn.Module, num_exper
     hooks = _DispatchHooks(dispatcher, split, config.capacity_factor > 0 and _takes_group_rows(module), deferred)
     module.register_forward_pre_hook(hooks.before, with_kwargs=True)
     module.register_forward_hook(hooks.after)
+    module.dispatched_by_expert_parallel = True  # its dispatch pads the groups (TransformersExperts asks)
     if deferred:
         overlap.register_forward_hook(hooks.link)
         parent = path.rpartition(".")[0]

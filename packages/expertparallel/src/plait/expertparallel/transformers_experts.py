@@ -33,7 +33,7 @@ class TransformersExperts(nn.Module):
 
     permute_and_pad = staticmethod(permute_and_pad)
     unpermute = staticmethod(unpermute)
-    group_alignment = 8  # rows per expert group under expert parallel: torch._grouped_mm's 16-byte rule
+    group_alignment = 8  # rows per expert group (one rank or expert parallel): torch._grouped_mm's 16-byte rule
 
     def __call__(self, hidden_states, top_k_index, top_k_weights):
         """transformers' call site: `hidden_states [T, D]`, `top_k_index [T, K]`, `top_k_weights [T, K]`
@@ -47,8 +47,16 @@ class TransformersExperts(nn.Module):
         num_tokens_per_expert_E = torch.zeros(self.num_experts, dtype=torch.int64, device=x_TD.device).scatter_add_(
             0, expert_N, torch.ones_like(expert_N)
         )
-        # The experts contract's call: expert parallel's dispatch and combine hooks run around it.
-        y_ND = super().__call__(x_TD[order_N // K], num_tokens_per_expert_E)
+        rows_ND = x_TD[order_N // K]
+        if getattr(self, "dispatched_by_expert_parallel", False):
+            # The experts contract's call: expert parallel's dispatch and combine hooks run around
+            # it, and its dispatch pads the groups it receives.
+            y_ND = super().__call__(rows_ND, num_tokens_per_expert_E)
+        else:  # one rank: each expert's rows padded to group_alignment, as plait's own experts are
+            padded_PD, permuted_P, m_sizes_E = self.permute_and_pad(
+                rows_ND, num_tokens_per_expert_E, 1, self.num_experts, self.group_alignment
+            )
+            y_ND = self.unpermute(super().__call__(padded_PD, m_sizes_E), permuted_P, rows_ND.shape[0])
         y_ND = y_ND * top_k_weights.reshape(-1)[order_N, None]
         # Back to (token, choice) order and summed over the choices: a fixed order, no atomics.
         y_TKD = torch.empty_like(y_ND).index_copy_(0, order_N, y_ND).view(T, K, -1)
