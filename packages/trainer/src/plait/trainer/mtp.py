@@ -35,6 +35,16 @@ def check_mtp_stages(config, dims, model_args) -> None:
                       f"in all) before the last stage: give the last stage at least {depths}.")
 
 
+def check_mtp_seq_len(config, model_args) -> None:
+    """Depth k has seq_len - k targets in a row: a depth of seq_len or deeper has none, and its loss
+    (0) would still count in the mean over depths, silently weakening the term."""
+    depths, seq_len = getattr(model_args, "mtp_layers", 0), config.training.seq_len
+    if depths >= seq_len > 0:
+        raise ConfigError(f"model.mtp_layers = {depths} needs training.seq_len > {depths}: depth k predicts k + 1 "
+                          f"tokens ahead, and in rows of {seq_len} tokens depth {seq_len} and deeper have no target "
+                          "(their zero loss would count in the mean): lower model.mtp_layers or raise training.seq_len.")
+
+
 def shifted_rows(
     inputs_BS: torch.Tensor, labels_BS: torch.Tensor, depths: int, document_positions_BS: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,7 +21,7 @@ from .float8 import check_float8
 from .float8_experts import check_float8_experts
 from .machine_checks import check_comm, check_memory_fits
 from .model_args import model_spec, resolve_model_args
-from .mtp import check_mtp_stages
+from .mtp import check_mtp_seq_len, check_mtp_stages
 from .parallel_settings import cp_config, ep_config, optional_parallel_module, pipeline_microbatches, tp_config
 from .wandb_logger import check_wandb
 
@@ -265,6 +265,7 @@ def validate(config: Config, world_size: int | None = None, check_memory: bool =
     model_args = resolve_model_args(config, spec)
     _check_seq_len(config, model_args)
     check_mtp_stages(config, dims, model_args)
+    check_mtp_seq_len(config, model_args)
     _check_data_parallel(config, dims)
     check_data(config, read_sources=need_data)
     _check_hf_weights(config, model_args)
