@@ -162,3 +162,27 @@ def test_a_second_writer_on_the_folder_is_refused_until_the_first_closes(tmp_pat
     second.save(2, {"model": _model().state_dict()}, {"step": 2, "model_only": False})
     second.close()
     assert not (folder / ".plait-checkpoint.lock").exists()
+
+
+def test_a_full_disk_during_the_hf_export_is_one_line_and_leaves_nothing(tmp_path):
+    """Issue 53, item 7: safetensors' own error for a full disk escaped as a traceback (exit 1) and
+    left the temporary export folder behind."""
+    from unittest import mock
+
+    from safetensors import SafetensorError
+
+    from plait.checkpoint import hf_sharded
+    from plait.models import get_model_args
+    from plait.models.hf import io
+    from plait.models.llama3 import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(get_model_args("llama3", "debugmodel"))
+    model.init_weights()
+    full = SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                           '"No space left on device" })')  # fmt: skip
+    with mock.patch.object(io, "save_file", side_effect=full), pytest.raises(store.CheckpointWriteError) as info:
+        hf_sharded.export_hf_sharded(model, tmp_path / "hf-step-000002", "llama3", "debugmodel", torch.bfloat16)
+    message = str(info.value)
+    assert "\n" not in message and "No space left on device" in message and "nothing was published" in message
+    assert list(tmp_path.iterdir()) == []  # no .hf-step-000002.tmp-* left

@@ -134,3 +134,62 @@ def test_validation_reports_the_main_loss(tmp_path):
                      "--metrics.tensorboard", "false")  # fmt: skip
     (line,) = [line for line in result.stdout.splitlines() if "val_loss" in line]
     assert math.isfinite(float(line.split("val_loss")[1])) and "mtp" not in line
+
+
+def test_two_depths_optimise_main_plus_scale_times_their_mean(tmp_path):
+    """Issue 53, item 9: with mtp_layers 2 and gradient accumulation 2 the step's gradient is that
+    of main + mtp_loss_scale x mean(depth 1, depth 2), each loss the mean over its own valid targets
+    of the whole step, computed here from the model's logits by a short formula of its own (depth k
+    at position i reads token i + k and predicts label i + k; the last k positions have none)."""
+    import copy
+
+    from plait.trainer.cli import parse_args
+    from plait.trainer.config import load_toml
+    from plait.trainer.train import Trainer
+
+    args = ["--job.dump_folder", str(tmp_path), "--model.name", "deepseek_v3", "--model.n_layers", "2",
+            "--model.mtp_layers", "2", "--model.mtp_loss_scale", "0.3", "--training.steps", "1",
+            "--training.seq_len", "32", "--training.local_batch_size", "2",
+            "--training.gradient_accumulation_steps", "2", "--training.deterministic", "true",
+            "--metrics.log_freq", "1", "--metrics.tensorboard", "false"]  # fmt: skip
+    parsed = parse_args(args)
+    trainer = Trainer(build_config(load_toml("deepseek_v3_debugmodel.toml"), parsed.overrides))
+    model = copy.deepcopy(trainer.pm.inner)  # the initial weights
+    seen = {}
+    train_step, optimizer_step = trainer.train_step, trainer.optimizer.step
+
+    def keep_batches(micro_batches):
+        seen["batches"] = [tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in mb) for mb in micro_batches]
+        return train_step(micro_batches)
+
+    def keep_grads(*a, **k):
+        seen["grads"] = {n: p.grad.clone() for n, p in trainer.pm.inner.named_parameters() if p.grad is not None}
+        return optimizer_step(*a, **k)
+
+    trainer.train_step, trainer.optimizer.step = keep_batches, keep_grads
+    try:
+        trainer.train()
+    finally:
+        trainer.release(0)
+    sums, counts = [0.0, 0.0, 0.0], [0, 0, 0]
+    for inputs_BS, labels_BS, *_ in seen["batches"]:
+        S = inputs_BS.shape[1]
+        reads = torch.stack([inputs_BS.roll(-k, 1) for k in (1, 2)], 1)  # [B, K, S]
+        logits = model(inputs_BS, None, None, mtp_tokens=reads)
+        for k, logits_BSV in enumerate(logits):
+            targets = labels_BS.clone()
+            if k:
+                targets = torch.cat([labels_BS[:, k:], torch.full_like(labels_BS[:, :k], -100)], 1)
+            sums[k] = sums[k] + F.cross_entropy(logits_BSV.flatten(0, 1), targets.flatten(), reduction="sum",
+                                                ignore_index=-100)  # fmt: skip
+            counts[k] += int((targets != -100).sum())
+        assert S == 32
+    main, depth1, depth2 = (s / c for s, c in zip(sums, counts))
+    assert counts == [2 * 2 * 32, 2 * 2 * 31, 2 * 2 * 30]
+    (main + 0.3 * (depth1 + depth2) / 2).backward()
+    for name, param in model.named_parameters():
+        if param.grad is not None:
+            torch.testing.assert_close(seen["grads"][name], param.grad, rtol=1e-4, atol=1e-6, msg=name)
+    row = read_metrics(tmp_path)[0]
+    assert row["loss"] == pytest.approx(main.item(), rel=1e-5)
+    assert row["mtp_loss"] == pytest.approx([depth1.item(), depth2.item()], rel=1e-5)

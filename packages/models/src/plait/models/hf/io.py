@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 SINGLE_FILE = "model.safetensors"
@@ -36,8 +37,16 @@ def _umask() -> int:
 
 def save_file_like_open(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict | None = None) -> None:
     """`safetensors` `save_file`, with the mode `open()` would give (0644 under umask 022): the
-    library writes 0600, so other users (a serving job, a colleague) could not read an export."""
-    save_file(tensors, path, metadata=metadata)
+    library writes 0600, so other users (a serving job, a colleague) could not read an export. A
+    failed write (a full disk) is an OSError, as from `open()`: safetensors raises its own error
+    type for it, which callers that handle I/O faults would not catch."""
+    try:
+        save_file(tensors, path, metadata=metadata)
+    except SafetensorError as e:
+        io = re.search(r"IoError\(Os \{ code: (\d+), kind: \w+, message: \"([^\"]*)\"", str(e))
+        if io is None:
+            raise
+        raise OSError(int(io.group(1)), io.group(2), str(path)) from e
     os.chmod(path, 0o666 & ~_umask())
 
 
