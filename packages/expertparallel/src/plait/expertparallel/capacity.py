@@ -25,6 +25,9 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from .dispatch import _CombineInFlight
 
+# torch 2.13 renamed it (the old name warns on every call); the GPU machines' 2.11 has only the old one.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def capacity_per_expert(num_rows: int, num_experts: int, factor: float, alignment: int = 1) -> int:
     """Rows each (source rank, expert) pair may send: factor x the even share, at least 1, at most
@@ -103,7 +106,7 @@ class CapacityDispatcher:
         """Before the static all-to-all: every ep rank must size its blocks from the same rows."""
         mine = torch.tensor([rows], dtype=torch.int64, device=device)
         every = torch.empty(self.ep, dtype=torch.int64, device=device)
-        dist.all_gather_into_tensor(every, mine, group=self.group)
+        _all_gather_flat(every, mine, group=self.group)
         counts = every.tolist()
         self.host_syncs += 1
         if len(set(counts)) != 1:

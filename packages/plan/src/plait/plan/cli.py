@@ -120,8 +120,13 @@ def main(argv: list[str] | None = None) -> int:
 
     # "2 sequential all_reduce operations" for a 2-D gradient norm: counted in the plan already.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    # The FakeTensor step's data_ptr reads (--plan.search): torch's own code, nothing to act on.
+    warnings.filterwarnings("ignore", message=".*[Aa]ccessing (the )?data pointer of FakeTensor.*")
     from plait.trainer.cli import DEFAULT_CONFIG, parse_args
     from plait.trainer.config import build_config, load_toml
+    from plait.trainer.quiet import quiet_known_noise
+
+    quiet_known_noise()
 
     try:
         if any(a in ("-h", "--help") for a in argv):

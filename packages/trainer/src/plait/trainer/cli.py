@@ -149,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     # Spinning threads starve each other whenever the cores are shared (other ranks, other jobs),
     # which can make a CPU step 10x slower; set OMP_WAIT_POLICY=ACTIVE to get spinning back.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from .quiet import quiet_known_noise
+
+    quiet_known_noise()
     if _under_launcher():
         from .launcher_watch import die_with_launcher
 

@@ -47,6 +47,24 @@ def _divisible(module: nn.Module, path: str) -> bool:
     return in_features % 16 == 0 and out_features % 16 == 0
 
 
+def check_float8_linears(config: Config, model: nn.Module) -> None:
+    """At least one linear of `model` (built on meta) passes training.float8_filter: a float8 run
+    with none would compute in bf16 while saying float8."""
+    t = config.training
+    if t.float8 == "off":
+        return
+    from torchao.float8 import _auto_filter_for_recipe
+
+    chosen = _auto_filter_for_recipe(t.float8, KEEP_HIGH_PRECISION) if t.float8_filter == "auto" else _divisible
+    if any(chosen(module, path) for path, module in model.named_modules() if isinstance(module, nn.Linear)):
+        return
+    fix = ("use --training.float8_filter divisible (every linear with dims multiples of 16)"
+           if t.float8_filter == "auto" else "its linears' dims are not multiples of 16")  # fmt: skip
+    raise ConfigError(f"training.float8 = {t.float8}: no linear of {config.model.name} {config.model.flavor} qualifies "
+                      f"under training.float8_filter = {t.float8_filter} (torchao's size rule keeps small layers in "
+                      f"bf16): {fix}, or set training.float8 = off.")
+
+
 def convert_to_float8(model: nn.Module, config: Config, float8_all_gather: bool, device_type: str) -> list[str]:
     """Swap the chosen linears of `model` (on meta or materialised) for Float8Linear; their paths.
     `float8_all_gather`: FSDP gathers the weights in float8 (tensorwise under FSDP / HSDP).

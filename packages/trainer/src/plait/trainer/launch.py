@@ -25,6 +25,9 @@ def launch(nproc: int, forward: list[str], stop_grace_s: int, config=None) -> in
 
     # Local ranks talk over loopback; interface discovery can pick an unroutable one in containers.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    from .quiet import one_openmp_thread_per_rank
+
+    one_openmp_thread_per_rank()
     launcher_args = get_args_parser().parse_args(
         ["--standalone", f"--nproc-per-node={nproc}", f"--shutdown-timeout={stop_grace_s}", "--module",
          "plait.trainer", *forward]

@@ -17,7 +17,7 @@ from plait.mesh import ParallelConfigError, ParallelDims
 
 from .config import Config, ConfigError
 from .data_checks import build_checked_tokenizer, check_data
-from .float8 import check_float8
+from .float8 import check_float8, check_float8_linears
 from .float8_experts import check_float8_experts
 from .machine_checks import check_comm, check_memory_fits
 from .model_args import model_spec, resolve_model_args
@@ -275,6 +275,7 @@ def validate(config: Config, world_size: int | None = None, check_memory: bool =
     with torch.device("meta"):
         model = spec.model_cls(model_args)
     info = model.parallel_info()
+    check_float8_linears(config, model)
     _check_parallel_fit(config, dims, parallel_modules, model, model_args, info)
     # The GPU's kind is this machine's unless plait-plan checks a layout for another one.
     capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
