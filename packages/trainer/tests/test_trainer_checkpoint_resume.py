@@ -177,3 +177,43 @@ def test_sigterm_saves_a_checkpoint_before_exiting(tmp_path):
     assert proc.returncode == 75, err  # EXIT_STOPPED: the run did not finish its steps
     steps = complete_steps(dump / "checkpoints")
     assert len(steps) == 1 and steps[0] == max(losses(dump)), out
+
+
+def _torchrun(dump: Path, launcher: list[str], env: dict, timeout: float = 300) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, "--max-restarts", "1", "--module", "plait.trainer",
+           "--job.dump_folder", str(dump), *COMMON, *LAYOUTS[2][2:]]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**cli_env(), "GLOO_SOCKET_IFNAME": "lo", **env})  # fmt: skip
+
+
+def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint(straight, tmp_path):
+    """Issue 53, item 1: `torchrun --max-restarts 1` could not restart plait-train (the restarted
+    ranks' gloo groups read the previous attempt's addresses: "connectFullMesh ... Connection
+    refused"). Rank 1 is SIGKILLed at step 13 of the first attempt; the launcher restarts both
+    ranks, which resume from step 10 and end bit-equal to the uninterrupted run. Over two launchers
+    (--nnodes 2, loopback) the same, with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which plait asks
+    for there (plait.mesh.elastic_problem)."""
+    fault = {"PLAIT_TEST_FAULT": "13:kill:1:0"}
+    one = _torchrun(tmp_path / "one", ["--standalone", "--nproc-per-node", "2"], fault)
+    out = one.communicate(timeout=300)[0]
+    assert one.returncode == 0 and "resuming from" in out, out[-3000:]
+    rendezvous = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-id", "two",
+                  "--rdzv-endpoint", f"127.0.0.1:{29500 + (hash(str(tmp_path)) % 3000)}"]  # fmt: skip
+    nodes = [_torchrun(tmp_path / "two", rendezvous, {**fault, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+             for _ in range(2)]  # fmt: skip
+    outs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-2000:] for o in outs)
+    expected = losses(straight[2])
+    for dump in ("one", "two"):
+        assert losses(tmp_path / dump) == expected, dump
+
+
+def test_restarts_over_several_launchers_with_a_shared_store_are_refused():
+    from plait.mesh import elastic_problem
+
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "1", "WORLD_SIZE": "4",
+           "LOCAL_WORLD_SIZE": "2"}  # fmt: skip
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in elastic_problem(env)
+    assert elastic_problem({**env, "LOCAL_WORLD_SIZE": "4"}) is None  # one launcher: restarts work
+    assert elastic_problem({**env, "TORCHELASTIC_MAX_RESTARTS": "0"}) is None
+    assert elastic_problem({**env, "TORCHELASTIC_USE_AGENT_STORE": "False"}) is None

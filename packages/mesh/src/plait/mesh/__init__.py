@@ -14,6 +14,7 @@ from .distributed import (
     comm_problem,
     destroy_distributed,
     device_type,
+    elastic_problem,
     init_distributed,
 )
 from .errors import ConfigError
@@ -35,6 +36,7 @@ __all__ = [
     "comm_problem",
     "destroy_distributed",
     "device_type",
+    "elastic_problem",
     "grad_norm",
     "init_distributed",
 ]

@@ -11,6 +11,10 @@
 
 Where local ranks outnumber the GPUs under auto or nccl the run is refused before any collective
 (`comm_problem`), in one line naming `--comm.backend gloo`.
+
+Under torchrun --max-restarts the ranks meet in a store keyed by run and restart (`_elastic_store`),
+so a restarted rank never reads the previous attempt's addresses; over several launchers a restart
+needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment (`elastic_problem` says so).
 """
 
 import datetime
@@ -73,7 +77,7 @@ def init_distributed(
     """
     rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank, local_world_size = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", 1)
-    problem = comm_problem(backend, local_world_size)
+    problem = comm_problem(backend, local_world_size) or elastic_problem()
     if problem:
         raise ConfigError(problem)
     gpus = torch.cuda.device_count()
@@ -90,14 +94,47 @@ def init_distributed(
             chosen = dist.get_backend()
         else:
             chosen = "gloo" if backend == "gloo" or not gpus else "nccl"
+            timeout = datetime.timedelta(seconds=timeout_s)
             dist.init_process_group(
                 backend=chosen,
-                timeout=datetime.timedelta(seconds=timeout_s),
+                timeout=timeout,
                 device_id=device if chosen == "nccl" else None,
+                **_elastic_store(rank, world_size, timeout),
             )
         if chosen == "gloo" and device.type == "cuda":
             install_host_staging()
     return DistributedInfo(rank, local_rank, world_size, local_world_size, device, chosen)
+
+
+def elastic_problem(env: dict | None = None) -> str | None:
+    """Why torchrun's restarts of this job would hang (one line), or None. With its rendezvous store
+    shared with the ranks (the default) and several launchers (--nnodes), a launcher whose ranks
+    did not fail restarts them without counting a restart, so the launchers' ranks key the store
+    by different attempt numbers and wait for each other forever (pytorch#135712)."""
+    env = os.environ if env is None else env
+    shared = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS") or 0)
+    launchers = int(env.get("WORLD_SIZE") or 1) > int(env.get("LOCAL_WORLD_SIZE") or 1)
+    if shared and restarts > 0 and launchers:
+        return (f"torchrun --max-restarts {restarts} over several launchers (--nnodes) shares its rendezvous store "
+                "with the ranks, and a restart would hang the launchers whose ranks did not fail: set "
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment on every node (or --max-restarts 0 "
+                "and let the scheduler requeue).")  # fmt: skip
+    return None
+
+
+def _elastic_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dict:
+    """Under torchrun's shared rendezvous store (TORCHELASTIC_USE_AGENT_STORE, the default), the
+    store the ranks meet in, keyed by run and restart: torch's own env:// path let a restarted
+    rank's extra gloo groups (plait's data exchange, the checkpoint writer's) read the previous
+    attempt's addresses ("Gloo connectFullMesh ... Connection refused", pytorch#135712), so a
+    `--max-restarts` restart failed or hung. Elsewhere torch's defaults (env://)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, False,
+                          timeout=timeout)  # fmt: skip
+    key = f"/plait/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
+    return {"store": dist.PrefixStore(key, agent), "rank": rank, "world_size": world_size}
 
 
 def collectives_on_gloo(mesh) -> bool:

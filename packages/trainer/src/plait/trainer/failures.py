@@ -3,6 +3,7 @@
 exit-code tests inject at a given step."""
 
 import os
+import signal
 
 import torch
 import torch.distributed as dist
@@ -65,7 +66,8 @@ def infrastructure_fault(error: BaseException) -> bool:
 
 
 # PLAIT_TEST_FAULT="<step>:<kind>": raise at that step what the fault raises (tests of the exit
-# codes with real processes): oom (torch's CPU allocator), lost_peer (a collective after a peer died).
+# codes with real processes): oom (torch's CPU allocator), lost_peer (a collective after a peer died),
+# kill (SIGKILL, e.g. one rank of a torchrun --max-restarts run).
 TEST_FAULT = "PLAIT_TEST_FAULT"
 
 
@@ -77,11 +79,19 @@ _TEST_FAULTS = {
 
 
 def test_fault(step: int) -> None:
+    """`<step>:<kind>[:<rank>[:<restart>]]`: on every rank, or on that rank only, and in that
+    torchrun attempt only (TORCHELASTIC_RESTART_COUNT) when given."""
     spec = os.environ.get(TEST_FAULT)
     if spec:
-        at, kind = spec.split(":")
-        if int(at) == step:
-            raise _TEST_FAULTS[kind]()
+        at, kind, *where = spec.split(":")
+        rank, attempt = (where + [None, None])[:2]
+        if int(at) != step or (rank is not None and rank != os.environ.get("RANK", "0")):
+            return
+        if attempt is not None and attempt != os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"):
+            return
+        if kind == "kill":  # what the OOM killer or a lost node does to one rank
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise _TEST_FAULTS[kind]()
 
 
 def check_finite(rows: list[dict]) -> None:

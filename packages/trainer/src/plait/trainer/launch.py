@@ -28,6 +28,9 @@ def launch(nproc: int, forward: list[str], stop_grace_s: int, config=None) -> in
     from .quiet import one_openmp_thread_per_rank
 
     one_openmp_thread_per_rank()
+    # Each restart gets a store of its own (torch's shared one let restarted ranks read the previous
+    # attempt's gloo addresses: plait.mesh.elastic_problem).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     launcher_args = get_args_parser().parse_args(
         ["--standalone", f"--nproc-per-node={nproc}", f"--shutdown-timeout={stop_grace_s}", "--module",
          "plait.trainer", *forward]

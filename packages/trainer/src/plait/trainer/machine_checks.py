@@ -6,16 +6,18 @@ import os
 import torch
 from torch import nn
 
-from plait.mesh import ParallelDims, comm_problem
+from plait.mesh import ParallelDims, comm_problem, elastic_problem
 
 from .config import Config, ConfigError
 
 
 def check_comm(config: Config, world_size: int) -> None:
-    """The backend can start this node's ranks (nccl refuses two ranks on one GPU)."""
+    """The backend can start this node's ranks (nccl refuses two ranks on one GPU), and torchrun's
+    restarts, if asked for, would not hang (plait.mesh.elastic_problem)."""
     if world_size == 1 and config.comm.backend != "nccl":
         return
     problem = comm_problem(config.comm.backend, int(os.environ.get("LOCAL_WORLD_SIZE") or world_size))
+    problem = problem or elastic_problem()
     if problem:
         raise ConfigError(problem)
 
