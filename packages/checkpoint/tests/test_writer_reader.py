@@ -186,3 +186,15 @@ def test_a_full_disk_during_the_hf_export_is_one_line_and_leaves_nothing(tmp_pat
     message = str(info.value)
     assert "\n" not in message and "No space left on device" in message and "nothing was published" in message
     assert list(tmp_path.iterdir()) == []  # no .hf-step-000002.tmp-* left
+
+
+def test_exporting_a_softmax_routed_deepseek_names_the_fix(tmp_path):
+    """Issue 53, item 10: Hugging Face's DeepseekV3 routes with a sigmoid; the debug / 16B / 236B
+    flavors with softmax: refused in one line naming --model.score_func sigmoid, nothing written."""
+    from plait.checkpoint import hf_export
+
+    with pytest.raises(store.CheckpointError) as info:
+        hf_export.export({}, "deepseek_v3", "debugmodel", tmp_path / "hf", torch.bfloat16)
+    message = str(info.value)
+    assert "\n" not in message and "train with --model.score_func sigmoid" in message
+    assert list(tmp_path.iterdir()) == []

@@ -70,8 +70,9 @@ def test_last_save_in_hf_checked_before_step_1():
     with pytest.raises(ConfigError) as info:
         check(*DEEPSEEK, *export)
     message = str(info.value)
-    assert message.startswith("checkpoint.last_save_in_hf = true but deepseek_v3 debugmodel cannot be exported: HF "
-                              "DeepseekV3 routes with sigmoid scores") and "set --model.score_func sigmoid" in message
+    assert message.startswith("checkpoint.last_save_in_hf = true but deepseek_v3 debugmodel cannot be exported: "
+                              "Hugging Face's DeepseekV3 scores experts with a sigmoid and this model routes with "
+                              "softmax") and "train with --model.score_func sigmoid" in message
     assert "\n" not in message
     assert check(*DEEPSEEK, *export, ("model.score_func", "sigmoid"))
     assert check(*export)  # llama3 exports

@@ -76,6 +76,10 @@ def export(
     from plait.models.hf.io import save_safetensors
 
     spec, args = spec_and_args(model, flavor, model_args)
+    try:  # before anything is written: a model Hugging Face cannot load (softmax routing) names its fix
+        spec.hf_adapter.hf_config(args)
+    except ValueError as e:
+        raise store.CheckpointError(f"{where}: {model} {flavor} cannot be exported: {str(e).splitlines()[0]}") from None
     check_matches_model(state_dict, spec.model_cls, args)
     output = hf_output.check_output(output, where)
     tmp = hf_output.make_temp(output, origin or {})

@@ -182,11 +182,9 @@ def _check_hf_export(config: Config, spec, model_args) -> None:
         return
     try:
         spec.hf_adapter.hf_config(model_args)
-    except (ValueError, KeyError) as e:
-        fix = ("set --model.score_func sigmoid" if getattr(model_args, "score_func", None) == "softmax"
-               else "change the model")
+    except (ValueError, KeyError) as e:  # the adapter's line names its fix (plait.models.hf)
         raise ConfigError(f"checkpoint.last_save_in_hf = true but {config.model.name} {config.model.flavor} cannot "
-                          f"be exported: {str(e).splitlines()[0]}; {fix}, or set checkpoint.last_save_in_hf = false "
+                          f"be exported: {str(e).splitlines()[0]}; or set checkpoint.last_save_in_hf = false "
                           "(the DCP checkpoints are written either way).") from None
 
 

@@ -195,7 +195,10 @@ def hf_config(args: ModelArgs) -> dict:
     """`config.json` for DeepseekV3ForCausalLM in the released checkpoints' format (rope_theta +
     rope_scaling), which transformers 4.x and 5.x both read."""
     if args.score_func != "sigmoid":
-        raise ValueError("HF DeepseekV3 routes with sigmoid scores; softmax-routed args have no HF equivalent here")
+        raise ValueError(f"Hugging Face's DeepseekV3 scores experts with a sigmoid and this model routes with "
+                         f"{args.score_func} (the debugmodel, 16B and 236B flavors' V2-style routing), which it cannot "
+                         "load: train with --model.score_func sigmoid to export to Hugging Face, or keep plait's own "
+                         "checkpoint (it reshards and resumes on any layout)")  # fmt: skip
     rope_scaling = None
     if args.uses_yarn:
         rope_scaling = {
