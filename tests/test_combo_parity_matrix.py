@@ -261,8 +261,10 @@ LAYOUTS = [
     # Multi-token prediction: its shifted tokens and targets cross CP shard boundaries (shifted on
     # whole rows, then split); under EP its block's experts are dispatched like the others.
     Layout("FSDP 2, MTP 1", 2, models=DEEPSEEK, model_args=MTP),
-    Layout("TP 2 + SP + loss parallel, MTP 1, full AC, accumulation 2", 2, {"tp": 2},
-           {"activation_checkpoint": "full", "gradient_accumulation_steps": 2}, models=DEEPSEEK, model_args=MTP),
+    # Two depths (issue 53): each depth's head loss parallel, the objective main + scale x their mean.
+    Layout("TP 2 + SP + loss parallel, MTP 2, full AC, accumulation 2", 2, {"tp": 2},
+           {"activation_checkpoint": "full", "gradient_accumulation_steps": 2}, models=DEEPSEEK,
+           model_args={"mtp_layers": 2}),
     Layout("CP 2 all-gather, MTP 1", 2, {"cp": 2, **CP1, "cp_method": "allgather"}, models=DEEPSEEK, model_args=MTP),
     Layout("CP 2 ring, MTP 1", 2, {"cp": 2, **CP1, "cp_method": "ring"}, models=DEEPSEEK, model_args=MTP),
     Layout("CP 2 Ulysses, MTP 1", 2, {"cp": 2, **CP1, "cp_method": "ulysses"}, models=DEEPSEEK, model_args=MTP),
