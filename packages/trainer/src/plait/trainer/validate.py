@@ -98,9 +98,6 @@ def _check_pipeline_settings(config: Config) -> None:
             raise ConfigError(f"parallelism.{key} = {getattr(p, key)}: must be >= 1.")
     if any(n < 0 for n in p.layers_per_stage):  # 0 is allowed: a stage of only the embedding or the head
         raise ConfigError(f"parallelism.layers_per_stage = {p.layers_per_stage}: a stage's block count must be >= 0.")
-    if p.layers_per_stage and p.pp == 1:  # it would be ignored: a user who set it meant to pipeline
-        raise ConfigError(f"parallelism.layers_per_stage = {p.layers_per_stage} applies to pipeline stages, and "
-                          "parallelism.pp = 1: set parallelism.pp, or drop layers_per_stage.")  # fmt: skip
     try:
         from plait.pipelineparallel.config import schedule_name
     except ImportError:  # plait-pipelineparallel not installed (pp > 1 says so itself): torch's names
