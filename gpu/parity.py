@@ -58,10 +58,16 @@ def run_transformers(env: dict, path: Path | None, jsonl: Path, extra: list[str]
         f.write(json.dumps(record) + "\n")
 
 
-def summary(jsonl: Path) -> str:
+def outcome(jsonl: Path) -> tuple[int, list[str]]:
+    """(entries recorded, the failed ones as "model dtype: layout"; skipped ones are not failures)."""
     records = [json.loads(line) for line in jsonl.read_text().splitlines()] if jsonl.exists() else []
     failed = [f"{r['model']} {r['dtype']}: {r['layout']}" for r in records if not r["passed"] and not r.get("skipped")]
-    return f"{len(records) - len(failed)} of {len(records)} entries passed" + (f"; failed: {'; '.join(failed)}" if failed else "")
+    return len(records), failed
+
+
+def summary(jsonl: Path) -> str:
+    count, failed = outcome(jsonl)
+    return f"{count - len(failed)} of {count} entries passed" + (f"; failed: {'; '.join(failed)}" if failed else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     device = "cpu (dry run)" if args.dry_run_cpu else torch.cuda.get_device_name(0)
     print(f"plait CUDA parity: {device}, torch {torch.__version__}: {summary(args.jsonl)} "
           f"in {time.perf_counter() - start:.0f} s")  # fmt: skip
-    return 0 if rc == 0 and "failed" not in summary(args.jsonl) else 1
+    return 0 if rc == 0 and not outcome(args.jsonl)[1] else 1
 
 
 if __name__ == "__main__":
