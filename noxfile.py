@@ -25,6 +25,10 @@ REPORTS = ROOT / ".nox" / "reports"
 PARITY_REPORT = REPORTS / "parity_matrix.json"
 TORCH = "torch==2.13.0"  # always pinned: an unpinned torch pulls GBs of CUDA packages
 SHARED_TORCH = ROOT / ".nox" / "_torch"  # TORCH and its dependencies, shared by the sessions' venvs
+# plait-models' test extra asks for triton (its kernels run interpreted on the CPU): the version
+# pinned here is installed once, shared like torch, by the sessions that install that extra.
+TRITON = "triton==3.9.0"
+SHARED_TRITON = ROOT / ".nox" / "_triton"
 # Each package and the sibling packages it declares (installed from this checkout, not PyPI).
 PACKAGES = {
     "mesh": [],
@@ -53,19 +57,27 @@ TEST_ONLY["testing"] = []  # its plait-train helpers are exercised by the traine
 
 
 def _install(session: nox.Session, names: list[str], extras: str = "test") -> None:
-    _install_shared_torch(session)
+    _install_shared(session, TORCH, SHARED_TORCH)
+    if extras == "test" and "models" in names:
+        _install_shared(session, TRITON, SHARED_TRITON)
     # Non-editable installs: the tests see the packages as a user would after `pip install`.
-    session.install(*[f"./packages/{n}[{extras}]" if extras else f"./packages/{n}" for n in names])
+    # --no-compile: pip byte-compiled every installed module (transformers, pandas, pyarrow, ...)
+    # in every venv, ~40 s of CPU per heavy session; Python compiles what a test imports, once.
+    session.install("--no-compile", *[f"./packages/{n}[{extras}]" if extras else f"./packages/{n}" for n in names])
 
 
-def _install_shared_torch(session: nox.Session) -> None:
-    """The pinned torch, installed once into SHARED_TORCH and put on each venv's path by a .pth file:
-    pip then sees it as installed. Installing it into every venv cost ~19 s each (mostly compiling
-    its bytecode), ~3 minutes of the suite; the plait packages are still installed per venv alone."""
-    if not any(SHARED_TORCH.glob(f"{TORCH.replace('==', '-')}*.dist-info")):
-        session.install("--target", str(SHARED_TORCH), "--upgrade", TORCH)
+def _install_shared(session: nox.Session, requirement: str, target: pathlib.Path) -> None:
+    """A pinned requirement, installed once into `target` and put on each venv's path by a .pth file:
+    pip then sees it as installed. Installing torch into every venv cost ~19 s each (mostly
+    compiling its bytecode), ~3 minutes of the suite, and triton (1 GB, for the models' interpreted
+    kernel tests) was copied into the five venvs that install plait-models' test extra; the plait
+    packages are still installed per venv alone."""
+    if not any(target.glob(f"{requirement.replace('==', '-')}*.dist-info")):
+        session.install("--target", str(target), "--upgrade", requirement)  # compiled once, here
     site = session.run("python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", silent=True)
-    (pathlib.Path(site.strip()) / "_plait_shared_torch.pth").write_text(f"{SHARED_TORCH}\n")
+    (pathlib.Path(site.strip()) / f"_plait_shared_{target.name.strip('_')}.pth").write_text(f"{target}\n")
+    if target != SHARED_TORCH:
+        return
     # torch's console scripts went to SHARED_TORCH/bin with the first venv's python in their
     # shebang; each venv gets its own `torchrun` (the package READMEs launch with it), whose ranks
     # then run this venv's python and see its packages.
@@ -94,7 +106,7 @@ def _package_session(name: str):
         _install(session, PACKAGES[name] + [name])
         session.run("python", "-c", f"import plait.{name} as m; print('plait-{name}', m.__version__)")
         if TEST_ONLY.get(name):
-            session.install(*[f"./packages/{n}" for n in TEST_ONLY[name]])
+            session.install("--no-compile", *[f"./packages/{n}" for n in TEST_ONLY[name]])
         tests = ROOT / "packages" / name / "tests"
         if any(tests.glob("test_*.py")):
             _pytest(session, name, [f"packages/{name}/tests"])

@@ -11,7 +11,8 @@ README's table):
   the layout's arithmetic alone) and, in fp32, at the last step: max over parameters of
   |g - g_ref| / |g_ref|. This is what catches a gradient that goes to the wrong place. (bf16:
   the MoE modules' parameters excepted, see _capture_gradients: a flipped top-k choice moves them);
-- the step sentinel (plait.testing.sentinel): host syncs per step equal the expected count (0 for
+- the step sentinel (plait.testing.sentinel), on the first and the last step
+  (Layout.checked_steps): host syncs per step equal the expected count (0 for
   dense models and capacity mode; one per MoE layer and micro-batch for dropless expert parallel,
   under activation checkpointing too) and zero kernel-precondition violations;
 - MoE: the per-layer load imbalance (tokens per expert summed over the dp x cp ranks) equals the
@@ -28,9 +29,12 @@ per-step difference between the two is the bf16 noise floor of this model over t
 already contains whatever routing decisions flip when values move by a bf16 rounding, so an MoE
 entry stays meaningful when a top-k choice flips. Same-policy entries must stay within
 BF16_FACTOR x floor (loss at every step, and each parameter's step-1 gradient), the cross-policy
-anchor within CROSS_POLICY_FACTOR x floor. A dtype-only bug (a kernel run in fp32 in a bf16
-step) is caught directly: the sentinel records every compute kernel (matmuls, grouped_mm, SDPA)
-whose data inputs are not bf16, and a bf16 entry and its reference must have none.
+anchor within CROSS_POLICY_FACTOR x floor. On the CPU the bf16 entries multiply and attend through
+fp32 kernels on their bf16 operands, rounded once to bf16 (training.cpu_bf16 = fp32: what a CPU
+without bf16 units runs, and 13-15x faster there than torch's emulated bf16 kernels), except the
+NATIVE entries, which run torch's bf16 kernels. On those a dtype-only bug (a kernel run in fp32
+in a bf16 step) is caught directly: the sentinel records every compute kernel (matmuls,
+grouped_mm, SDPA) whose data inputs are not bf16, and the entry and its reference must have none.
 
 One spawn per world size runs all of that size's entries in turn (the trainer in-process, a fresh
 mesh each time), so ranks start once per size instead of once per entry.
@@ -91,12 +95,16 @@ CROSS_POLICY_FACTOR = 64
 # out at 2e-5 (68x): the grad-norm factor leaves 2x over that.
 CROSS_POLICY_GRAD_NORM_FACTOR = 128
 BF16_MIN_FLOOR = 1e-5  # a floor measured as 0 (identical runs) still admits fp32-level noise
-# bf16 runs take torch's bf16 kernels on every CPU (training.cpu_bf16 = native), so the matrix checks
-# bf16 kernels themselves and the sentinel's dtype check holds; the FP32_ROUTE entries check the
-# route users of CPUs without bf16 units run (auto there: bf16 products and attention through fp32
-# kernels), each against a one-rank reference on the same route.
-COMMON = [*parity_args(steps=STEPS, lr=1e-3), "--metrics.tensorboard", "false", "--training.cpu_bf16", "native"]
-FP32_ROUTE = {"cpu_bf16": "fp32"}
+# PLAIT_PARITY_DEVICE=cuda (gpu/lease.sh's parity stage, nox -s gpu): the CUDA subset on this GPU.
+DEVICE = os.environ.get("PLAIT_PARITY_DEVICE", "cpu")
+# The CPU route of every bf16 entry (training.cpu_bf16): products and attention through fp32 kernels
+# on the bf16 operands, rounded once (what a CPU without bf16 units runs: on this 2-core box one
+# rank's DeepSeek-V3 bf16 step took 13x, Llama 3's 15x, the time through torch's emulated bf16
+# kernels). The NATIVE entries take torch's bf16 kernels on any CPU, each against a one-rank
+# reference on that route, and there the sentinel's dtype check holds. A GPU has no CPU route.
+ROUTE = "fp32" if DEVICE == "cpu" else "native"
+COMMON = [*parity_args(steps=STEPS, lr=1e-3), "--metrics.tensorboard", "false", "--training.cpu_bf16", ROUTE]
+NATIVE = {"cpu_bf16": "native"}
 # The settings that make a bf16 entry's reference another run (Layout.precision).
 PRECISION = ("cpu_bf16", "float8", "float8_filter", "float8_experts")
 # Float8 (issue 42): the debug models' linears are below torchao's size rule, so every linear with
@@ -154,19 +162,25 @@ class Layout:
         """The training settings its bf16 reference must share: the CPU kernel route of bf16
         products (cpu_bf16) and float8 (the recipe and which linears)."""
         found = {key: self.training[key] for key in PRECISION if key in self.training}
-        if found.get("cpu_bf16") == "native":
+        if found.get("cpu_bf16") == ROUTE:
             del found["cpu_bf16"]
         return found
 
     def route(self) -> str:
-        """`precision()` as text ("native": bf16 through torch's bf16 kernels, nothing else)."""
-        return ", ".join(f"{k}={v}" for k, v in self.precision().items()) or "native"
+        """`precision()` as text ("default": the matrix's ROUTE, nothing else)."""
+        return ", ".join(f"{k}={v}" for k, v in self.precision().items()) or "default"
+
+    def bf16_kernels(self) -> bool:
+        """Whether its bf16 products and attention run torch's bf16 kernels (the dtype check's entries)."""
+        return {"cpu_bf16": ROUTE, **self.precision()} == NATIVE
 
     def checked_steps(self, steps: int) -> list[int]:
-        """The steps whose host syncs must be the expected count. Under pipeline parallel the first
-        step is torch's shape inference (each stage sends its output's shape to the next as a Python
-        object: a few host syncs, once per run); every later step must be free of them."""
-        return list(range(2 if self.parallelism.get("pp", 1) > 1 else 1, steps + 1))
+        """The steps the sentinel watches, whose host syncs must be the expected count: the first
+        and the last (which also logs). Under pipeline parallel the first step is torch's shape
+        inference (each stage sends its output's shape to the next as a Python object: a few host
+        syncs, once per run), so there the second. The steps between run the same code; watching
+        them too cost a quarter of the matrix's time (the sentinel sees every aten call)."""
+        return [2 if self.parallelism.get("pp", 1) > 1 else 1, steps]
 
     def expected_host_syncs(self) -> int:
         """Per step (rank 0's): dropless expert parallel syncs once per MoE layer and micro-batch;
@@ -238,14 +252,15 @@ LAYOUTS = [
            layers=PP2V_LAYERS),
     Layout("PP 2 1F1B, document mask, accumulation 2", 2, {**PP2, "pipeline_schedule": "1F1B"},
            {"gradient_accumulation_steps": 2}, layers=PP2_LAYERS, model_args=DOCS),
-    # The CPU route of bf16 on a CPU without bf16 units (training.cpu_bf16 = fp32 forces it anywhere):
-    # products and attention through fp32 kernels on the bf16 operands; "FSDP 2" is its FSDP anchor.
-    Layout("FSDP 2, CPU bf16 through fp32 kernels", 2, training=FP32_ROUTE, fp32=False),
-    Layout("EP 2, CPU bf16 through fp32 kernels", 2, {"ep": 2}, FP32_ROUTE, models=DEEPSEEK, fp32=False),
-    Layout("CP 2 ring, CPU bf16 through fp32 kernels", 2, {"cp": 2, **CP1, "cp_method": "ring"}, FP32_ROUTE,
+    # torch's bf16 kernels on the CPU (training.cpu_bf16 = native; what a CPU with bf16 units runs),
+    # where the sentinel checks that every product and attention of a bf16 step computes in bf16;
+    # "FSDP 2, CPU bf16 kernels" is their FSDP anchor.
+    Layout("FSDP 2, CPU bf16 kernels", 2, training=NATIVE, fp32=False),
+    Layout("TP 2 + SP + loss parallel, CPU bf16 kernels", 2, {"tp": 2}, NATIVE, fp32=False),
+    Layout("EP 2, CPU bf16 kernels", 2, {"ep": 2}, NATIVE, models=DEEPSEEK, fp32=False),
+    Layout("CP 2 ring, CPU bf16 kernels", 2, {"cp": 2, **CP1, "cp_method": "ring"}, NATIVE, fp32=False),
+    Layout("PP 2 1F1B, CPU bf16 kernels", 2, {**PP2, "pipeline_schedule": "1F1B"}, NATIVE, layers=PP2_LAYERS,
            fp32=False),
-    Layout("PP 2 1F1B, CPU bf16 through fp32 kernels", 2, {**PP2, "pipeline_schedule": "1F1B"}, FP32_ROUTE,
-           layers=PP2_LAYERS, fp32=False),
     # Float8 linears (bf16 entries against float8 on one rank; "FSDP 2, float8 ..." the FSDP anchors).
     Layout("FSDP 2, float8 tensorwise (float8 all-gather)", 2, training=FLOAT8, fp32=False),
     Layout("FSDP 2, float8 rowwise, selective AC, accumulation 2", 2,
@@ -340,8 +355,6 @@ CUDA_SUBSET = (
     "FSDP 2, float8 rowwise, selective AC, accumulation 2", "PP 2 1F1B, MTP 1",
 )
 # fmt: on
-# PLAIT_PARITY_DEVICE=cuda (gpu/lease.sh's parity stage, nox -s gpu): the CUDA subset on this GPU.
-DEVICE = os.environ.get("PLAIT_PARITY_DEVICE", "cpu")
 ALL_ENTRIES = [
     (layout, model, dtype)
     for layout in LAYOUTS
@@ -359,7 +372,7 @@ ENTRIES = entries_for(DEVICE)
 # The FSDP-policy bf16 references, one per set of model arguments the fsdp-policy entries use.
 ANCHORS = {
     (tuple(sorted(layout.model_args.items())), layout.route()): layout
-    for layout in LAYOUTS if layout.name in ("FSDP 2", "FSDP 2, document mask", "FSDP 2, CPU bf16 through fp32 kernels",
+    for layout in LAYOUTS if layout.name in ("FSDP 2", "FSDP 2, document mask", "FSDP 2, CPU bf16 kernels",
                                              "FSDP 2, float8 tensorwise (float8 all-gather)",
                                              "FSDP 2, float8 rowwise, selective AC, accumulation 2",
                                              "FSDP 2, float8 tensorwise, MXFP8 experts",
@@ -390,9 +403,9 @@ def _reference_key(layout: Layout, model: str, dtype: str) -> str:
     return _one_rank_key(model, dtype, layout.model_args, route=layout.route())
 
 
-def _one_rank_key(model: str, dtype: str, model_args: dict, name: str = "one rank", route: str = "native") -> str:
+def _one_rank_key(model: str, dtype: str, model_args: dict, name: str = "one rank", route: str = "default") -> str:
     extra = "".join(f", {k}={v}" for k, v in sorted(model_args.items()))
-    extra += f", {route}" if route != "native" else ""
+    extra += f", {route}" if route != "default" else ""
     return f"{model} {dtype}: {name}{extra}"
 
 
@@ -490,8 +503,31 @@ def _capture_gradients(
     return param_diffs
 
 
+class _OnSteps:
+    """The trainer's step sentinel entered on `steps` only; the other steps report no count."""
+
+    def __init__(self, sentinel, trainer, steps: list[int]):
+        self.sentinel, self.trainer, self.steps = sentinel, trainer, steps
+        self.counts: list[tuple[int | None, int]] = []
+        self.watching = False
+
+    def __enter__(self):
+        self.watching = self.trainer.step in self.steps
+        if self.watching:
+            self.sentinel.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.watching:
+            self.sentinel.__exit__(*exc)
+        self.counts.append(self.sentinel.step_counts()[-1] if self.watching else (None, 0))
+
+    def step_counts(self) -> list[tuple[int | None, int]]:
+        return self.counts
+
+
 def _train_each(rank: int, world_size: int, root: str, grads_dir: str, jobs: list[tuple], references: set,
-                staged: frozenset = frozenset()) -> dict:
+                staged: frozenset = frozenset(), watched: dict | None = None) -> dict:
     """On every rank: train each job in turn in this process, under the step sentinel. Rank 0
     returns each job's metrics rows, step-by-step sentinel counts and per-parameter gradient
     differences from the job's reference (whose gradients earlier jobs wrote to `grads_dir`).
@@ -508,11 +544,11 @@ def _train_each(rank: int, world_size: int, root: str, grads_dir: str, jobs: lis
         stage_cpu_tensors(key in staged)
         staged_before = staged_operations()
         started = time.perf_counter()
-        dump = os.path.join(root, str(len(results)))
+        dump = os.path.join(root, f"{zlib.crc32(key.encode()):08x}")  # the same on every rank and spawn
         args = parse_args(["--job.dump_folder", dump, *argv])
         trainer = Trainer(build_config(load_toml(f"{model}_debugmodel.toml"), args.overrides))
         sentinel = StepSentinel(compute_dtype=torch.bfloat16 if dtype == "bfloat16" else None)
-        trainer.step_sentinel = sentinel
+        trainer.step_sentinel = _OnSteps(sentinel, trainer, watched[key])
         param_diffs = _capture_gradients(trainer, rank, grads_dir, key, reference, dtype, key in references)
         try:
             trainer.train()
@@ -543,11 +579,28 @@ def _run_world(ranks: int, root: Path, grads_dir: Path, entries: list[tuple]) ->
             if layout.ranks == ranks
         ]
     references = {job[-1] for job in _one_rank_jobs(entries)} | {_reference_key(*entry) for entry in entries}
-    # ~10 s per job at 8 ranks on 2 cores (more under the sentinel); bounded so a hang fails.
-    timeout = 120 + 60 * len(jobs) * ranks
     staged = frozenset(_key(*entry) for entry in entries if entry[0].staged and entry[0].ranks == ranks)
-    return run_on_ranks(_train_each, ranks, str(root), str(grads_dir), jobs, references, staged, timeout=timeout,
-                        device=DEVICE)[0]
+    watched = {key: [1, _steps(dtype)] for key, _, _, dtype, _ in jobs}  # one rank
+    watched.update({_key(layout, model, dtype): layout.checked_steps(_steps(dtype)) for layout, model, dtype in entries})
+    # Fresh ranks every JOBS_PER_SPAWN // ranks jobs (a spawn costs ~2 s): one process running a
+    # world's every job in turn slowed down job after job (the 8-rank world's last entries took 3-7x
+    # their time in a spawn of their own; 49 min for the matrix).
+    per_spawn = max(2, JOBS_PER_SPAWN // ranks)
+    results: dict = {}
+    for first in range(0, len(jobs), per_spawn):
+        chunk = jobs[first : first + per_spawn]
+        # ~10 s per job at 8 ranks on 2 cores (more under the sentinel); bounded so a hang fails.
+        timeout = 120 + 60 * len(chunk) * ranks
+        results |= run_on_ranks(_train_each, ranks, str(root), str(grads_dir), chunk, references, staged, watched,
+                                timeout=timeout, device=DEVICE)[0]
+    return results
+
+
+JOBS_PER_SPAWN = 16
+
+
+def _steps(dtype: str) -> int:
+    return STEPS if dtype == "float32" else BF16_STEPS
 
 
 def _needed(selected: list[tuple]) -> list[tuple]:
@@ -645,7 +698,7 @@ def _bf16_floor_values(runs, layout: Layout, model: str) -> dict:
 
 @pytest.mark.parametrize("layout, model, dtype", ENTRIES, ids=[_test_id(*entry) for entry in ENTRIES])
 def test_layout_matches_its_reference(layout, model, dtype, runs, report):
-    steps = STEPS if dtype == "float32" else BF16_STEPS
+    steps = _steps(dtype)
     result = runs(layout.ranks)[_key(layout, model, dtype)]
     reference = _results(runs, _reference_key(layout, model, dtype))
     rows, ref_rows = result["rows"], reference["rows"]
@@ -682,8 +735,8 @@ def test_layout_matches_its_reference(layout, model, dtype, runs, report):
     if layout.staged and DEVICE == "cpu" and not result["staged_operations"]:
         failures.append("Layout.staged, but no send / recv went through host staging")
     # The fp32 route runs its products in fp32 by design, and so does float8's CPU emulation
-    # (dequantized float8 operands): the dtype check is the native route's.
-    for run, name in ((result, "this entry"), (reference, "its reference")) if layout.route() == "native" else ():
+    # (dequantized float8 operands): the dtype check is the bf16 kernels' (on a GPU, every entry's).
+    for run, name in ((result, "this entry"), (reference, "its reference")) if layout.bf16_kernels() else ():
         if run["off_dtype"]:
             failures.append(f"compute kernels outside bf16 in {name}: " + "; ".join(run["off_dtype"]))
     if model == "deepseek_v3":
