@@ -9,7 +9,8 @@
     nox -s gpu         every CUDA-only branch against its reference (gpu/run.py); one line and exit 0 without CUDA
 
 Venvs are reused between runs; torch is installed once for all of them (from the pinned wheel,
-into .nox/_torch, which each venv's path includes).
+into .nox/_torch, which each venv's path includes), and so is triton (.nox/_triton) for the venvs
+that install plait-models' test extra.
 """
 
 import pathlib

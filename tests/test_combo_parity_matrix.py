@@ -36,8 +36,8 @@ NATIVE entries, which run torch's bf16 kernels. On those a dtype-only bug (a ker
 in a bf16 step) is caught directly: the sentinel records every compute kernel (matmuls,
 grouped_mm, SDPA) whose data inputs are not bf16, and the entry and its reference must have none.
 
-One spawn per world size runs all of that size's entries in turn (the trainer in-process, a fresh
-mesh each time), so ranks start once per size instead of once per entry.
+A spawn of ranks runs several of a world size's entries in turn (the trainer in-process, a fresh
+mesh each time, JOBS_PER_SPAWN), so ranks start a few times per size instead of once per entry.
 """
 
 import datetime
@@ -65,6 +65,10 @@ from plait.testing.trainer import parity_args
 STEPS = 5
 BF16_STEPS = 6
 GLOBAL_BATCH = 8
+# Jobs per spawn of ranks: 16 / ranks (at least 2). One spawn running a world's every job in turn
+# slowed down job after job (the 8-rank world's last entries took 3-7x their time in a spawn of
+# their own); a spawn costs ~2 s.
+JOBS_PER_SPAWN = 16
 MODELS = ("llama3", "deepseek_v3")
 DTYPES = ("float32", "bfloat16")
 # The debug flavors at reduced depth (and, for DeepSeek-V3, smaller MLA heads) so that ~110 runs
@@ -527,7 +531,7 @@ class _OnSteps:
 
 
 def _train_each(rank: int, world_size: int, root: str, grads_dir: str, jobs: list[tuple], references: set,
-                staged: frozenset = frozenset(), watched: dict | None = None) -> dict:
+                staged: frozenset, watched: dict[str, list[int]]) -> dict:
     """On every rank: train each job in turn in this process, under the step sentinel. Rank 0
     returns each job's metrics rows, step-by-step sentinel counts and per-parameter gradient
     differences from the job's reference (whose gradients earlier jobs wrote to `grads_dir`).
@@ -582,9 +586,6 @@ def _run_world(ranks: int, root: Path, grads_dir: Path, entries: list[tuple]) ->
     staged = frozenset(_key(*entry) for entry in entries if entry[0].staged and entry[0].ranks == ranks)
     watched = {key: [1, _steps(dtype)] for key, _, _, dtype, _ in jobs}  # one rank
     watched.update({_key(layout, model, dtype): layout.checked_steps(_steps(dtype)) for layout, model, dtype in entries})
-    # Fresh ranks every JOBS_PER_SPAWN // ranks jobs (a spawn costs ~2 s): one process running a
-    # world's every job in turn slowed down job after job (the 8-rank world's last entries took 3-7x
-    # their time in a spawn of their own; 49 min for the matrix).
     per_spawn = max(2, JOBS_PER_SPAWN // ranks)
     results: dict = {}
     for first in range(0, len(jobs), per_spawn):
@@ -594,9 +595,6 @@ def _run_world(ranks: int, root: Path, grads_dir: Path, entries: list[tuple]) ->
         results |= run_on_ranks(_train_each, ranks, str(root), str(grads_dir), chunk, references, staged, watched,
                                 timeout=timeout, device=DEVICE)[0]
     return results
-
-
-JOBS_PER_SPAWN = 16
 
 
 def _steps(dtype: str) -> int:
