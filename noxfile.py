@@ -63,7 +63,8 @@ def _install(session: nox.Session, names: list[str], extras: str = "test") -> No
         _install_shared(session, TRITON, SHARED_TRITON)
     # Non-editable installs: the tests see the packages as a user would after `pip install`.
     # --no-compile: pip byte-compiled every installed module (transformers, pandas, pyarrow, ...)
-    # in every venv, ~40 s of CPU per heavy session; Python compiles what a test imports, once.
+    # in every venv, ~40 s of CPU per heavy session; Python compiles what a test imports, once
+    # (_pytest lets it write the bytecode).
     session.install("--no-compile", *[f"./packages/{n}[{extras}]" if extras else f"./packages/{n}" for n in names])
 
 
@@ -91,7 +92,10 @@ def _install_shared(session: nox.Session, requirement: str, target: pathlib.Path
 
 def _pytest(session: nox.Session, name: str, paths: list[str], env: dict | None = None) -> None:
     REPORTS.mkdir(parents=True, exist_ok=True)
-    env = {"OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0", **(env or {})}
+    # PYTHONDONTWRITEBYTECODE (set on the CI machines) left every process compiling the modules
+    # it imports from source, as the venvs' packages are installed --no-compile: a rank's imports
+    # took ~17 s instead of ~6. Cleared here, the first process to import a module caches it.
+    env = {"OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "", **(env or {})}
     session.run(
         "python", "-m", "pytest", *paths, "-q", "-p", "no:cacheprovider",
         f"--junitxml={REPORTS / name}.xml", "-o", "junit_family=xunit2",
@@ -179,7 +183,7 @@ def train(session: nox.Session) -> None:
         stamp.write_text(sources)
     else:
         session.log("plait packages unchanged since the last install: not reinstalled")
-    session.run("plait-train", *session.posargs)
+    session.run("plait-train", *session.posargs, env={"PYTHONDONTWRITEBYTECODE": ""})  # see _pytest
     session.log(f"plait-train lives in {session.bin}: run it directly with {pathlib.Path(session.bin) / 'plait-train'} "
                 "(--help lists every setting)")
 

@@ -77,7 +77,7 @@ CASES = {
     "16B_64_ranks": ("deepseek_v3_16B.toml", 64, {}, ["_StridedShard(dim=0, sf=8)", "Shard(dim=0)"], None),
     "236B_128_ranks": ("deepseek_v3_236B.toml", 128, {}, ["_StridedShard(dim=0, sf=32)", "Shard(dim=0)"], None),
     # TP 8 (the shipped config before pipeline parallel): 4 local experts < efsdp 8, on the input dim.
-    "671B_512_ranks_tp8": ("deepseek_v3_671B.toml", 512, {"pp": 1, "tp": 8},
+    "671B_512_ranks_tp8": ("deepseek_v3_671B.toml", 512, {"pp": 1, "tp": 8, "layers_per_stage": []},
                            ["Shard(dim=1)", "Shard(dim=0)"], None),
     # As shipped: PP 8 x EP 64 x FSDP 64 (efsdp 1: experts sharded by ep alone).
     "671B_512_ranks": ("deepseek_v3_671B.toml", 512, {}, ["Shard(dim=0)"], ["Shard(dim=0)"]),

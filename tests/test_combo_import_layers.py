@@ -22,6 +22,24 @@ def test_the_design_layers_hold_on_main():
     assert import_layers.problems(ROOT) == []
 
 
+def test_the_rules_are_read_from_the_design_tables_words():
+    """Issue 53, item 10: the checked rules are the table's, row by row (the card itself lives
+    beside the repository, in ../shared; where it is at hand, its table is the tool's, to the
+    character)."""
+    allowed = import_layers.ALLOWED
+    parallel = {"dataparallel", "tensorparallel", "contextparallel", "expertparallel", "pipelineparallel"}
+    assert allowed["mesh"] == allowed["models"] == set()
+    assert all(allowed[p] == {"mesh"} for p in parallel) and allowed["data"] == {"mesh"}
+    assert allowed["checkpoint"] == {"mesh", "models"} and allowed["faulttolerance"] == {"mesh"}
+    assert allowed["trainer"] == {"mesh", "models", "data", "checkpoint"} | parallel
+    assert allowed["plan"] == allowed["trainer"] | {"trainer"} and allowed["testing"] == {"mesh", "trainer"}
+    card = ROOT.parent / "shared" / "DESIGN.md"
+    if card.is_file():
+        block = card.read_text().split("## Packages and who may import whom", 1)[1].split("```")[1]
+        rows = [line for line in block.splitlines() if line.startswith("packages/")]
+        assert rows == [line for line in import_layers.TABLE.splitlines() if line]
+
+
 def test_a_cycle_through_a_function_level_import_fails(tmp_path):
     _package(tmp_path, "trainer", {
         "__init__.py": "",

@@ -23,6 +23,8 @@ DEEPSEEK = ["--config", "deepseek_v3_debugmodel.toml", *SMALL]
 # name -> (ranks, flags); every case on the same number of ranks shares one spawn.
 CASES = {
     "llama_1rank_accum2": (1, [*LLAMA, "--training.gradient_accumulation_steps", "2"]),
+    "deepseek_1rank_mtp2_accum2": (1, [*DEEPSEEK, "--model.mtp_layers", "2", "--training.gradient_accumulation_steps",
+                                       "2"]),
     "llama_fsdp2_selective_accum2": (2, [*LLAMA, "--parallelism.dp_shard", "2", "--training.activation_checkpoint",
                                          "selective", "--training.gradient_accumulation_steps", "2"]),
     "llama_tp2_full_ac": (2, [*LLAMA, "--parallelism.tp", "2", "--training.activation_checkpoint", "full"]),
@@ -104,6 +106,21 @@ def test_plan_matches_measured_step(case, planned, measured):
     assert plan["collectives"] == real["collectives"]
     if CASES[case][0] > 1:
         assert plan["collectives"], "a multi-rank step communicates"
+
+
+def test_host_work_per_micro_batch_and_every_heads_logits_are_counted(planned, measured):
+    """Issue 53, item 8. Each micro-batch's host work (its copy to the device, its valid-token
+    count, its MTP rows) is counted once per micro-batch, so the planned step dispatches as many
+    ops as the measured one (1 rank; the later micro-batches add into the held gradients where the
+    first assigned them, the one difference by op name). MTP's depths' logits are alive with the
+    main head's: counted at (1 + K) times one head's."""
+    for case in ("llama_1rank_accum2", "deepseek_1rank_mtp2_accum2"):
+        plan, real = planned[case], measured[case]
+        assert plan["host_ops"] == real["host_ops"], case
+        differ = {op for op in set(plan["host_ops_by_op"]) | set(real["host_ops_by_op"])
+                  if plan["host_ops_by_op"].get(op) != real["host_ops_by_op"].get(op)}
+        assert differ <= {"aten::detach", "aten::add_"}, (case, differ)
+    assert planned["deepseek_1rank_mtp2_accum2"]["logits"] == 3 * planned["llama_1rank_accum2"]["logits"]  # same vocab
 
 
 def test_accumulation_repeats_micro_batch_collectives(planned):

@@ -209,12 +209,16 @@ def test_stages_share_the_model_and_partition_its_state_dict():
         ({"shared": ["model.norm"]}, r"ModelParts.shared names 'model.norm', which has parameters"),
         ({"norm": None}, r"parameter 'model.norm.weight' is in none of the ModelParts"),
         ({"tied": True}, r"ModelParts.head = 'lm_head' shares its weight with the embedding"),
+        ({"shared_blocks": True}, r"parameter 'model.layers.0.mlp.up_proj.weight' \(stage 0\) is also "
+                                  r"'model.layers.3.mlp.up_proj.weight' on stage 1"),
     ],
 )
 def test_bad_parts_are_refused_in_one_line(change, match):
     model = make_model()
     if change.pop("tied", False):
         model.lm_head.weight = model.model.embed_tokens.weight
+    if change.pop("shared_blocks", False):  # issue 53, item 6: a weight on two stages besides the tie
+        model.model.layers[3].mlp.up_proj.weight = model.model.layers[0].mlp.up_proj.weight
     parts = replace(RECIPE["LLAMA_PARTS"], **change)
     with pytest.raises(PipelineConfigError, match=match):
         split_user_model(model, parts, 2, 0)

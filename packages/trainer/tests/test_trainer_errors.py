@@ -62,6 +62,8 @@ def test_cli_errors_in_a_subprocess(args, message):
         # issue 40 fault probes 10 and 19: pipeline settings at pp 1, the seed's range.
         (["--parallelism.pipeline_schedule", "Bogus"], "'Bogus' is not a pipeline schedule: use one of"),
         (["--parallelism.pipeline_microbatch_size", "0"], "pipeline_microbatch_size = 0: must be >= 1"),
+        # issue 53: a stage split at pp 1 was accepted and ignored
+        (["--parallelism.layers_per_stage", "1,1"], "layers_per_stage = [1, 1] applies to pipeline stages"),
         (["--model.name", "deepseek_v3", "--model.mtp_layers", "8", "--training.seq_len", "8"],
          "model.mtp_layers = 8 needs training.seq_len > 8"),
         (["--job.seed", "-1"], "job.seed = -1: must be in [0, 2^63)"),

@@ -76,3 +76,47 @@ def test_last_save_in_hf_checked_before_step_1():
     assert "\n" not in message
     assert check(*DEEPSEEK, *export, ("model.score_func", "sigmoid"))
     assert check(*export)  # llama3 exports
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ([("model.n_layers", "2000000")], "model.n_layers = 2000000 make llama3 "),
+    ([*DEEPSEEK, ("model.n_layers", "100000"), ("model.mtp_layers", "40"), ("training.seq_len", "64")],
+     "model.n_layers = 100000 and model.mtp_layers = 40 make deepseek_v3 "),
+])
+def test_a_model_too_deep_for_memory_is_refused_before_it_is_built(overrides, message, monkeypatch):
+    """Issue 53, item 6: at these depths the meta build alone takes minutes; the refusal comes from
+    the parameter count of one- and two-block builds (each count exact, as shown for the shipped
+    flavors), so no model deeper than two blocks is built."""
+    import dataclasses
+
+    from plait.trainer import size_bound
+
+    built = []
+    real_count = size_bound.parameter_count
+
+    def counting(spec, args):
+        cls = spec.model_cls
+        spy = dataclasses.replace(spec, model_cls=lambda a: built.append(a.n_layers) or cls(a))
+        return real_count(spy, args)
+
+    monkeypatch.setattr(size_bound, "parameter_count", counting)
+    with pytest.raises(ConfigError) as info:
+        validate(build_config(None, list(overrides)), 1, check_memory=True)
+    assert str(info.value).startswith(message) and "lower model.n_layers" in str(info.value), str(info.value)
+    assert built and max(built) <= 2, built
+
+
+@pytest.mark.parametrize("name, flavor, mtp", [("llama3", "8B", 0), ("deepseek_v3", "16B", 0), ("deepseek_v3", "debugmodel", 3)])
+def test_the_bounds_parameter_count_is_the_built_models(name, flavor, mtp):
+    import dataclasses
+
+    import torch
+
+    from plait.models import get_model_spec
+    from plait.trainer.size_bound import parameter_count
+
+    spec = get_model_spec(name)
+    args = dataclasses.replace(spec.flavors[flavor], **({"mtp_layers": mtp} if mtp else {}))
+    with torch.device("meta"):
+        built = sum(p.numel() for p in spec.model_cls(args).parameters())
+    assert parameter_count(spec, args) == built

@@ -130,6 +130,7 @@ def split_user_model(
     blocks = parts.block_paths(model)
     num_stages = pp_degree * virtual_stages
     per_stage = stage_blocks(blocks, stage_layer_counts(len(blocks), num_stages, layers_per_stage))
+    _check_one_stage_each(model, parts, per_stage)
     stages = []
     for index in stage_indices(pp_rank, pp_degree, virtual_stages, style):
         first, last = index == 0, index == num_stages - 1
@@ -173,3 +174,21 @@ def _check_parts(model: nn.Module, parts: ModelParts) -> None:
                 f"parameter {name!r} is in none of the ModelParts (embedding, blocks, norm, head): no stage would "
                 "hold it. Name its module as one of them."
             )
+
+
+def _check_one_stage_each(model: nn.Module, parts: ModelParts, per_stage: list[list[str]]) -> None:
+    """No parameter is held by pieces on two stages (two blocks sharing a weight, a block and the
+    head): each stage would train its own copy, and the copies would drift apart silently."""
+    owner: dict[int, tuple[int, str]] = {}
+    last = len(per_stage) - 1
+    for stage, paths in enumerate(per_stage):
+        pieces = ([parts.embedding] if stage == 0 else []) + list(paths) + (parts.edge_units[1] if stage == last else [])
+        for path in pieces:
+            for name, p in model.get_submodule(path).named_parameters():
+                first = owner.setdefault(id(p), (stage, f"{path}.{name}"))
+                if first[0] != stage:
+                    raise PipelineConfigError(
+                        f"parameter {first[1]!r} (stage {first[0]}) is also {f'{path}.{name}'!r} on stage {stage}: each stage "
+                        "would train its own copy. Keep modules that share a weight in one block (or set "
+                        "layers_per_stage so they sit on one stage), or run without pipeline parallel."
+                    )

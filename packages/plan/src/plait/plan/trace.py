@@ -92,12 +92,25 @@ class _StepHooks:
         self.trainer, self.counter, self.ops, self.tracker = trainer, counter, ops, tracker
         self.seen, self.grads = {}, {}
         self.original_context, self.original_loss = trainer.loss_context, trainer.loss_fn
+        self.original_host_work = trainer.micro_batch_context
         trainer.loss_context, trainer.loss_fn = self.micro_batch_phase, self.loss_fn
+        trainer.micro_batch_context = self.micro_batch_host_work
         self.grads_hook = trainer.optimizer.register_step_pre_hook(self.keep_grads)
 
     def remove(self) -> None:
         self.grads_hook.remove()
         self.trainer.loss_context, self.trainer.loss_fn = self.original_context, self.original_loss
+        self.trainer.micro_batch_context = self.original_host_work
+
+    @contextlib.contextmanager
+    def micro_batch_host_work(self):
+        """A micro-batch's host work before its forward (its copy to the device, its CP share, MTP
+        rows): counted per micro-batch, like the forward and backward."""
+        self.counter.phase = self.ops.phase = MICRO
+        try:
+            yield
+        finally:
+            self.counter.phase = self.ops.phase = STEP
 
     @contextlib.contextmanager
     def micro_batch_phase(self):
@@ -116,7 +129,9 @@ class _StepHooks:
         if "activations" not in self.seen:
             parts = _storage_total(self.tracker.get_tracker_snapshot("current"))
             self.seen["activations"] = parts.get("Activation", 0)
-            self.seen["logits"] = _local_bytes([logits_BSV])
+            self.seen["logits"] = 0
+        if self.seen.get("micro_batches", 1) == 1:  # the main head's, then each MTP depth's (all alive)
+            self.seen["logits"] += _local_bytes([logits_BSV])
         return self.original_loss(logits_BSV, labels_BS)
 
     def keep_grads(self, optimizer, args, kwargs):

@@ -15,14 +15,14 @@ def cli_env() -> dict[str, str]:
 def run_cli(
     dump: Path, *args: str, timeout: float = 240, env: dict[str, str] | None = None, expect: int | None = 0
 ) -> subprocess.CompletedProcess:
-    """`python -m plait.trainer --job.dump_folder DUMP ARGS...`. An exit code other than `expect`
-    (None: any) fails with the tail of the run's output."""
-    result = subprocess.run(
-        [sys.executable, "-m", "plait.trainer", "--job.dump_folder", str(dump), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**cli_env(), **(env or {})},
+    """`python -m plait.trainer --job.dump_folder DUMP ARGS...`, forked from a warm process where it
+    can be (plait.testing.warm_cli). An exit code other than `expect` (None: any) fails with the
+    tail of the run's output."""
+    from .warm_cli import run_warm
+
+    argv, full_env = ["--job.dump_folder", str(dump), *args], {**cli_env(), **(env or {})}
+    result = run_warm(argv, full_env, timeout) or subprocess.run(
+        [sys.executable, "-m", "plait.trainer", *argv], capture_output=True, text=True, timeout=timeout, env=full_env
     )
     if expect is not None and result.returncode != expect:
         raise AssertionError(

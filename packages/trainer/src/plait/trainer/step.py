@@ -40,6 +40,8 @@ class StepRunner:
         self.optimizer, self.scheduler = optimizer, scheduler
         self.moe, self.loss_fn, self.pipeline = moe, loss_fn, pipeline
         self.loss_context = self._loss_context_factory()
+        # Around each micro-batch's host work before its forward (the planner counts it per micro-batch).
+        self.micro_batch_context = contextlib.nullcontext
 
     def _loss_context_factory(self):
         if self.pm.loss_parallel:
@@ -108,10 +110,16 @@ class StepRunner:
                         "or set model.rope_positions = 'sequence'."
                     )
 
-    def _global_token_count(self, labels: list[torch.Tensor]) -> torch.Tensor:
-        """Valid labels over every micro-batch and every dp x cp rank (one all-reduce, no host sync).
-        Labels [K, B, S] (MTP: main and each depth) count per leading index: a [K] count."""
-        count = torch.stack([(lab != IGNORE_INDEX).flatten(-2).sum(-1) for lab in labels]).sum(0).float()
+    @staticmethod
+    def _valid_tokens(labels: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's valid labels; labels [K, B, S] (MTP: main and each depth) count per
+        leading index: a [K] count."""
+        return (labels != IGNORE_INDEX).flatten(-2).sum(-1)
+
+    def _global_token_count(self, counts: list[torch.Tensor]) -> torch.Tensor:
+        """Valid labels over every micro-batch (`counts`: each one's _valid_tokens) and every dp x cp
+        rank (one all-reduce, no host sync)."""
+        count = torch.stack(counts).sum(0).float()
         if self.meshes.dp_cp is not None:
             dist.all_reduce(count, group=self.meshes.dp_cp.get_group())
         return count.clamp(min=1.0)
@@ -136,8 +144,11 @@ class StepRunner:
         """ranks / valid tokens of the global batch: scaling each rank's loss sum by it makes the
         step's gradient the mean over every valid token (data parallel averages over dp x cp).
         Labels [1 + K, B, S] (main and each MTP depth's): one scale per loss, one all-reduce."""
+        return self._scale_of_counts([self._valid_tokens(lab) for lab in labels])
+
+    def _scale_of_counts(self, counts: list[torch.Tensor]) -> torch.Tensor:
         ranks = self.meshes.dp_cp.size() if self.meshes.dp_cp is not None else 1
-        return ranks / self._global_token_count(labels)
+        return ranks / self._global_token_count(counts)
 
     @staticmethod
     def _all_labels(labels_BS: torch.Tensor, mtp) -> torch.Tensor:
@@ -187,16 +198,20 @@ class StepRunner:
             return self._pipeline_step(micro_batches)
         accumulation = len(micro_batches)
         autocast = self.pm.autocast or contextlib.nullcontext()
-        # A micro-batch is (inputs, labels, document_positions).
-        batches = [self.local_batch(*micro_batch) for micro_batch in micro_batches]
+        depths = mtp_depths(self.plan.model_args)
+        # A micro-batch is (inputs, labels, document_positions). Without MTP, [B, S] labels and one
+        # 0-dim scale (the planner's traced step holds the same tensors as the real one, to the
+        # byte); with it, every depth's labels too and one scale per loss.
+        batches, counts = [], []
+        for micro_batch in micro_batches:
+            with self.micro_batch_context():
+                batches.append(self.local_batch(*micro_batch))
+                labels = self._all_labels(batches[-1][1], batches[-1][4]) if depths else batches[-1][1]
+                counts.append(self._valid_tokens(labels))
         # Data parallel averages gradients over the dp x cp ranks; scaling each rank's loss sum by
         # ranks / (valid tokens of the global batch) makes the step's gradient the mean over every
         # valid token, however they are split over ranks, micro-batches and ignored labels.
-        depths = mtp_depths(self.plan.model_args)
-        # Without MTP, [B, S] labels and one 0-dim scale as before (the planner's traced step holds
-        # the same tensors as the real one, to the byte); with it, one scale per loss.
-        all_labels = [self._all_labels(labels, mtp) if depths else labels for _, labels, _, _, mtp in batches]
-        scales = self._loss_scale(all_labels) if depths else self._loss_scale(all_labels)[None]
+        scales = self._scale_of_counts(counts) if depths else self._scale_of_counts(counts)[None]
         # The main loss, then each MTP depth's (logged; the step optimises main + scale x their mean).
         step_losses = torch.zeros(1 + depths, device=self.device)
         for inputs_BS, labels_BS, positions, documents_BS, mtp in batches:
@@ -211,7 +226,7 @@ class StepRunner:
                     if self.moe and self.moe.aux_enabled:
                         total = total + self._aux(losses[0], accumulation)
                 total.backward()
-            for i, loss in enumerate(losses):
-                detached = loss.detach()
-                step_losses[i] += detached.full_tensor() if isinstance(detached, DTensor) else detached
+                for i, loss in enumerate(losses):
+                    detached = loss.detach()
+                    step_losses[i] += detached.full_tensor() if isinstance(detached, DTensor) else detached
         return (step_losses if depths else step_losses[0]), self._update()

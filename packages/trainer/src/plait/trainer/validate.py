@@ -23,6 +23,7 @@ from .machine_checks import check_comm, check_memory_fits
 from .model_args import model_spec, resolve_model_args
 from .mtp import check_mtp_seq_len, check_mtp_stages
 from .parallel_settings import cp_config, ep_config, optional_parallel_module, pipeline_microbatches, tp_config
+from .size_bound import check_size_bound
 from .wandb_logger import check_wandb
 
 # The full model is materialised on every rank before sharding (init = auto) below this size.
@@ -98,6 +99,10 @@ def _check_pipeline_settings(config: Config) -> None:
             raise ConfigError(f"parallelism.{key} = {getattr(p, key)}: must be >= 1.")
     if any(n < 0 for n in p.layers_per_stage):  # 0 is allowed: a stage of only the embedding or the head
         raise ConfigError(f"parallelism.layers_per_stage = {p.layers_per_stage}: a stage's block count must be >= 0.")
+    if p.layers_per_stage and p.pp == 1:  # it would be ignored: a user who set it meant to pipeline
+        raise ConfigError(f"parallelism.layers_per_stage = {p.layers_per_stage} applies to pipeline stages, and "
+                          "parallelism.pp = 1: set parallelism.pp, or drop layers_per_stage "
+                          "(--parallelism.layers_per_stage '')")  # fmt: skip
     try:
         from plait.pipelineparallel.config import schedule_name
     except ImportError:  # plait-pipelineparallel not installed (pp > 1 says so itself): torch's names
@@ -261,6 +266,8 @@ def validate(config: Config, world_size: int | None = None, check_memory: bool =
     _check_seq_len(config, model_args)
     check_mtp_stages(config, dims, model_args)
     check_mtp_seq_len(config, model_args)
+    if check_memory:
+        check_size_bound(config, spec, model_args, world_size)  # before a build that is minutes at 10^5 layers
     _check_data_parallel(config, dims)
     check_data(config, read_sources=need_data)
     _check_hf_weights(config, model_args)

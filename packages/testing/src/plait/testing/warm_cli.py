@@ -1,0 +1,169 @@
+"""`python -m plait.trainer ARGS` for tests, forked from a process that has already imported it.
+
+A fresh interpreter spends ~7 s of a short CPU run importing torch, DTensor, dynamo and datasets
+before plait-train's first line runs, and the suites run plait-train a few hundred times. So
+`run_cli` asks one server process (per test session) that imported all of that once to fork a
+child for each run. The child is the run, as a fresh `python -m plait.trainer` would be: its own
+pid, environment, working directory, stdin from /dev/null, stdout and stderr to files, interpreter
+exit (threads joined, atexit handlers run), and its exit code (a signal's negative number, as
+subprocess reports it).
+
+What a fork cannot give is what the interpreter reads at start-up or at import: a run whose
+environment differs from the server's in anything but PLAIT_* variables (OpenMP's, torch's),
+or any run under PLAIT_TEST_FRESH_CLI=1, starts a fresh interpreter instead.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+# Imported once by the server; a child finds them in sys.modules.
+PRELOAD = ("torch", "torch.distributed.tensor", "torch._dynamo", "datasets", "plait.trainer.cli",
+           "plait.trainer.train", "plait.trainer.validate")
+_lock = threading.Lock()
+_server: dict = {}
+
+
+def _runtime_only(env: dict[str, str], server_env: dict[str, str]) -> bool:
+    """Whether `env` differs from the server's only in variables plait reads while running."""
+    keys = set(env) | set(server_env)
+    return all(k.startswith("PLAIT_") for k in keys if env.get(k) != server_env.get(k))
+
+
+def _start(env: dict[str, str]) -> dict:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from plait.testing.warm_cli import serve; serve()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, bufsize=1,
+    )  # fmt: skip
+    atexit.register(proc.kill)
+    ready = proc.stdout.readline().strip()
+    return {"proc": proc, "env": dict(env), "ok": ready == "ready", "why": ready}
+
+
+def run_warm(argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess | None:
+    """Run `python -m plait.trainer *argv` as a child of the warm server; None where a fresh
+    interpreter is needed (see the module docstring) or the server could not start."""
+    if os.environ.get("PLAIT_TEST_FRESH_CLI") == "1":
+        return None
+    with _lock:
+        server = _server.get("s")
+        if server is None or server["proc"].poll() is not None:
+            base = {k: v for k, v in env.items() if not k.startswith("PLAIT_")}
+            server = _server["s"] = _start(base)
+        if not server["ok"] or not _runtime_only(env, server["env"]):
+            return None
+        folder = Path(tempfile.mkdtemp(prefix="plait-cli-"))
+        request = dict(argv=argv, env=env, cwd=os.getcwd(), stdout=str(folder / "out"), stderr=str(folder / "err"),
+                       status=str(folder / "status"))  # fmt: skip
+        server["proc"].stdin.write(json.dumps(request) + "\n")
+        server["proc"].stdin.flush()
+        pid = int(server["proc"].stdout.readline())
+    status, deadline = folder / "status", time.monotonic() + timeout
+    while not status.exists():
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            raise subprocess.TimeoutExpired(["plait-train", *argv], timeout, _read(folder / "out"), _read(folder / "err"))
+        time.sleep(0.05)
+    result = subprocess.CompletedProcess(
+        [sys.executable, "-m", "plait.trainer", *argv], int(status.read_text()), _read(folder / "out"),
+        _read(folder / "err"),
+    )  # fmt: skip
+    for f in folder.iterdir():
+        f.unlink()
+    folder.rmdir()
+    return result
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def serve() -> None:
+    """The server: import PRELOAD, say `ready`, then fork one child per request line on stdin
+    and write its pid; write each child's exit code to its status file once reaped."""
+    import importlib
+
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass  # a package this session did not install: the child imports what it needs
+    if threading.active_count() > 1:  # forking a threaded process is not a fresh start
+        print(f"refused: {threading.active_count()} threads after the imports", flush=True)
+        return
+    replies = sys.stdout
+    print("ready", flush=True)
+    children: dict[int, str] = {}
+    pending = b""
+    while True:
+        if select.select([0], [], [], 0.05)[0]:
+            data = os.read(0, 1 << 16)
+            if not data:
+                return  # the test session ended
+            pending += data
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                request = json.loads(line)
+                replies.flush()
+                pid = os.fork()
+                if pid == 0:
+                    _child(request)
+                children[pid] = request["status"]
+                replies.write(f"{pid}\n")
+                replies.flush()
+        _reap(children)
+
+
+def _reap(children: dict[int, str]) -> None:
+    for pid in list(children):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            path = children.pop(pid)
+            code = os.waitstatus_to_exitcode(status)
+            Path(path + ".tmp").write_text(str(code))
+            os.replace(path + ".tmp", path)
+
+
+def _child(request: dict) -> None:
+    """Become `python -m plait.trainer ARGV` and exit as its interpreter would; never returns."""
+    import runpy
+    import traceback
+
+    code = 1
+    try:
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+        sys.argv = ["-m", *request["argv"]]
+        sys.path[0] = request["cwd"]
+        try:
+            runpy.run_module("plait.trainer", run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if not isinstance(e.code, (int, type(None))):
+                print(e.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+        threading._shutdown()  # as the interpreter does at exit: join non-daemon threads
+        atexit._run_exitfuncs()
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
