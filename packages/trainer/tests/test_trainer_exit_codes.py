@@ -116,3 +116,26 @@ def test_a_stopped_rank_costs_the_timeout_not_ten_minutes_and_is_named(tmp_path)
     last = err.strip().splitlines()[-1]
     assert proc.returncode == exit_codes.INFRA, err[-3000:]
     assert last.startswith("plait-train: rank 1 of 2 stalled: rank 0 timed out"), last
+
+
+def test_a_warm_forked_run_is_the_fresh_runs_twin(tmp_path, monkeypatch):
+    """run_cli forks plait-train from a process that imported it once (plait.testing.warm_cli):
+    the exit code, the output and what the run reads from its environment are a fresh
+    interpreter's. A fault at step 2 is exit 74 with the same last line and the same step-1 loss
+    either way; a variable torch reads at import (not PLAIT_*) makes run_cli start a fresh one."""
+    from plait.testing import warm_cli
+    from plait.testing.trainer import cli_env, losses
+
+    env = {"PLAIT_TEST_FAULT": "2:lost_peer"}
+    warm = run_cli(tmp_path / "warm", *TINY, env=env, expect=exit_codes.INFRA)
+    monkeypatch.setenv("PLAIT_TEST_FRESH_CLI", "1")
+    fresh = run_cli(tmp_path / "fresh", *TINY, env=env, expect=exit_codes.INFRA)
+    last = [r.stderr.strip().splitlines()[-1].replace(str(tmp_path / name), "DUMP")
+            for r, name in ((warm, "warm"), (fresh, "fresh"))]
+    assert last[0] == last[1] and "infrastructure fault" in last[0], last
+    assert losses(tmp_path / "warm") == losses(tmp_path / "fresh") and len(losses(tmp_path / "warm")) == 1
+    assert _status(tmp_path / "warm") == _status(tmp_path / "fresh") == str(exit_codes.INFRA)
+    monkeypatch.delenv("PLAIT_TEST_FRESH_CLI")
+    assert warm_cli.run_warm(["--help"], {**cli_env(), "TORCH_LOGS": "dynamo"}, 60) is None  # read at import
+    helped = warm_cli.run_warm(["--help"], cli_env(), 60)
+    assert helped.returncode == 0 and "usage: plait-train" in helped.stdout
