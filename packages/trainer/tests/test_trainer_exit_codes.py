@@ -122,7 +122,7 @@ def test_a_warm_forked_run_is_the_fresh_runs_twin(tmp_path, monkeypatch):
     """run_cli forks plait-train from a process that imported it once (plait.testing.warm_cli):
     the exit code, the output and what the run reads from its environment are a fresh
     interpreter's. A fault at step 2 is exit 74 with the same last line and the same step-1 loss
-    either way; a variable torch reads at import (not PLAIT_*) makes run_cli start a fresh one."""
+    either way; a variable torch reads at import (not PLAIT_*) gets a server started with it."""
     from plait.testing import warm_cli
     from plait.testing.trainer import cli_env, losses
 
@@ -136,6 +136,11 @@ def test_a_warm_forked_run_is_the_fresh_runs_twin(tmp_path, monkeypatch):
     assert losses(tmp_path / "warm") == losses(tmp_path / "fresh") and len(losses(tmp_path / "warm")) == 1
     assert _status(tmp_path / "warm") == _status(tmp_path / "fresh") == str(exit_codes.INFRA)
     monkeypatch.delenv("PLAIT_TEST_FRESH_CLI")
-    assert warm_cli.run_warm(["--help"], {**cli_env(), "TORCH_LOGS": "dynamo"}, 60) is None  # read at import
-    helped = warm_cli.run_warm(["--help"], cli_env(), 60)
-    assert helped.returncode == 0 and "usage: plait-train" in helped.stdout
+    # A variable torch reads at import: a server started with it; one read while running: the same server.
+    assert "TORCH_LOGS" in warm_cli.import_environment({**cli_env(), "TORCH_LOGS": "dynamo"})
+    assert warm_cli.import_environment({**cli_env(), "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "PLAIT_X": "1"}) == \
+        warm_cli.import_environment(cli_env())
+    for env in ({**cli_env(), "TORCH_LOGS": "dynamo"}, cli_env()):
+        helped = warm_cli.run_warm(["--help"], env, 60)
+        assert helped.returncode == 0 and "usage: plait-train" in helped.stdout
+    assert len(warm_cli._servers) == 2

@@ -8,9 +8,11 @@ pid, environment, working directory, stdin from /dev/null, stdout and stderr to 
 exit (threads joined, atexit handlers run), and its exit code (a signal's negative number, as
 subprocess reports it).
 
-What a fork cannot give is what the interpreter reads at start-up or at import: a run whose
-environment differs from the server's in anything but PLAIT_* variables (OpenMP's, torch's),
-or any run under PLAIT_TEST_FRESH_CLI=1, starts a fresh interpreter instead.
+What a fork cannot give is what the interpreter reads at start-up or at import (OpenMP's and
+torch's variables): a server serves only runs whose environment matches the one it started with,
+except for the variables read while running (PLAIT_*, RUNTIME_ONLY). A run with another
+environment gets a server of its own (the last two are kept). PLAIT_TEST_FRESH_CLI=1 starts a
+fresh interpreter for every run.
 """
 
 from __future__ import annotations
@@ -29,14 +31,30 @@ from pathlib import Path
 # Imported once by the server; a child finds them in sys.modules.
 PRELOAD = ("torch", "torch.distributed.tensor", "torch._dynamo", "datasets", "plait.trainer.cli",
            "plait.trainer.train", "plait.trainer.validate")
+# Read when used, not at import: a run may differ from its server in these (tests' in-process
+# runs leave CUBLAS_WORKSPACE_CONFIG and the launcher's settings in the test process's environment).
+RUNTIME_ONLY = {"CUBLAS_WORKSPACE_CONFIG", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "GLOO_SOCKET_IFNAME", "MASTER_ADDR",
+                "MASTER_PORT", "TORCHFT_LIGHTHOUSE"}
+KEPT_SERVERS = 2
 _lock = threading.Lock()
-_server: dict = {}
+_servers: dict[frozenset, dict] = {}  # import-time environment -> server, oldest use first
 
 
-def _runtime_only(env: dict[str, str], server_env: dict[str, str]) -> bool:
-    """Whether `env` differs from the server's only in variables plait reads while running."""
-    keys = set(env) | set(server_env)
-    return all(k.startswith("PLAIT_") for k in keys if env.get(k) != server_env.get(k))
+def import_environment(env: dict[str, str]) -> dict[str, str]:
+    """The part of `env` a server must have started with to serve a run with `env`."""
+    return {k: v for k, v in env.items() if not k.startswith("PLAIT_") and k not in RUNTIME_ONLY}
+
+
+def _server_for(env: dict[str, str]) -> dict:
+    key = frozenset(import_environment(env).items())
+    server = _servers.pop(key, None)
+    if server is None or server["proc"].poll() is not None:
+        server = _start(dict(key))
+    _servers[key] = server  # the newest use last
+    while len(_servers) > KEPT_SERVERS:
+        oldest = _servers.pop(next(iter(_servers)))
+        oldest["proc"].stdin.close()  # it exits once its running children have
+    return server
 
 
 def _start(env: dict[str, str]) -> dict:
@@ -46,20 +64,17 @@ def _start(env: dict[str, str]) -> dict:
     )  # fmt: skip
     atexit.register(proc.kill)
     ready = proc.stdout.readline().strip()
-    return {"proc": proc, "env": dict(env), "ok": ready == "ready", "why": ready}
+    return {"proc": proc, "ok": ready == "ready", "why": ready}
 
 
 def run_warm(argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess | None:
-    """Run `python -m plait.trainer *argv` as a child of the warm server; None where a fresh
-    interpreter is needed (see the module docstring) or the server could not start."""
+    """Run `python -m plait.trainer *argv` as a child of a warm server started with `env`'s
+    import-time part; None under PLAIT_TEST_FRESH_CLI=1 or where no server could start."""
     if os.environ.get("PLAIT_TEST_FRESH_CLI") == "1":
         return None
     with _lock:
-        server = _server.get("s")
-        if server is None or server["proc"].poll() is not None:
-            base = {k: v for k, v in env.items() if not k.startswith("PLAIT_")}
-            server = _server["s"] = _start(base)
-        if not server["ok"] or not _runtime_only(env, server["env"]):
+        server = _server_for(env)
+        if not server["ok"]:
             return None
         folder = Path(tempfile.mkdtemp(prefix="plait-cli-"))
         request = dict(argv=argv, env=env, cwd=os.getcwd(), stdout=str(folder / "out"), stderr=str(folder / "err"),
@@ -107,8 +122,11 @@ def serve() -> None:
     while True:
         if select.select([0], [], [], 0.05)[0]:
             data = os.read(0, 1 << 16)
-            if not data:
-                return  # the test session ended
+            if not data:  # the test session ended, or this server was replaced: finish the runs
+                while children:
+                    time.sleep(0.05)
+                    _reap(children)
+                return
             pending += data
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
