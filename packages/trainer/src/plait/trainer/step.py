@@ -212,6 +212,7 @@ class StepRunner:
         # ranks / (valid tokens of the global batch) makes the step's gradient the mean over every
         # valid token, however they are split over ranks, micro-batches and ignored labels.
         scales = self._scale_of_counts(counts) if depths else self._scale_of_counts(counts)[None]
+        del counts, labels  # not held through the forwards (the planner traces one micro-batch's)
         # The main loss, then each MTP depth's (logged; the step optimises main + scale x their mean).
         step_losses = torch.zeros(1 + depths, device=self.device)
         for inputs_BS, labels_BS, positions, documents_BS, mtp in batches:
