@@ -21,6 +21,7 @@ import atexit
 import json
 import os
 import select
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -64,7 +65,7 @@ def _start(env: dict[str, str]) -> dict:
     )  # fmt: skip
     atexit.register(proc.kill)
     ready = proc.stdout.readline().strip()
-    return {"proc": proc, "ok": ready == "ready", "why": ready}
+    return {"proc": proc, "ok": ready == "ready"}
 
 
 def run_warm(argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess | None:
@@ -83,19 +84,19 @@ def run_warm(argv: list[str], env: dict[str, str], timeout: float) -> subprocess
         server["proc"].stdin.flush()
         pid = int(server["proc"].stdout.readline())
     status, deadline = folder / "status", time.monotonic() + timeout
-    while not status.exists():
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            raise subprocess.TimeoutExpired(["plait-train", *argv], timeout, _read(folder / "out"), _read(folder / "err"))
-        time.sleep(0.05)
-    result = subprocess.CompletedProcess(
-        [sys.executable, "-m", "plait.trainer", *argv], int(status.read_text()), _read(folder / "out"),
-        _read(folder / "err"),
-    )  # fmt: skip
-    for f in folder.iterdir():
-        f.unlink()
-    folder.rmdir()
-    return result
+    try:
+        while not status.exists():
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                raise subprocess.TimeoutExpired(["plait-train", *argv], timeout, _read(folder / "out"),
+                                                _read(folder / "err"))  # fmt: skip
+            time.sleep(0.05)
+        return subprocess.CompletedProcess(
+            [sys.executable, "-m", "plait.trainer", *argv], int(status.read_text()), _read(folder / "out"),
+            _read(folder / "err"),
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)  # this call's own mkdtemp folder
 
 
 def _read(path: Path) -> str:

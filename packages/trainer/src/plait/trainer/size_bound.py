@@ -16,7 +16,6 @@ from .config import Config, ConfigError
 
 # Deeper than any shipped flavor (Llama 3 405B: 126 blocks): below it the meta build is quick.
 BUILT_WITHOUT_BOUND = 192
-GIB = 1024**3
 
 
 def check_size_bound(config: Config, spec, model_args, world_size: int) -> None:
@@ -26,7 +25,7 @@ def check_size_bound(config: Config, spec, model_args, world_size: int) -> None:
         return
     if torch.cuda.is_available() and "LOCAL_RANK" not in os.environ and world_size > 1:
         return  # the launcher must not touch CUDA; every rank checks its own GPU before building
-    from .memory_estimate import device_memory
+    from .memory_estimate import GIB, device_memory
 
     count = parameter_count(spec, model_args)
     per_rank = count * 4 / world_size
