@@ -14,11 +14,16 @@ that install plait-models' test extra.
 """
 
 import pathlib
+import sys
 import xml.etree.ElementTree as ET
 
 import nox
 
 nox.options.reuse_venv = "yes"
+# uv where nox has it (`pip install "nox[uv]"`): a package session's install took ~1 min with pip
+# (resolving, downloading and unpacking transformers, datasets, pandas, ... into each venv), a few
+# seconds with uv's cache. Plain virtualenv + pip where it has not.
+nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.error_on_missing_interpreters = False
 
 ROOT = pathlib.Path(__file__).parent
@@ -62,10 +67,21 @@ def _install(session: nox.Session, names: list[str], extras: str = "test") -> No
     if extras == "test" and "models" in names:
         _install_shared(session, TRITON, SHARED_TRITON)
     # Non-editable installs: the tests see the packages as a user would after `pip install`.
-    # --no-compile: pip byte-compiled every installed module (transformers, pandas, pyarrow, ...)
-    # in every venv, ~40 s of CPU per heavy session; Python compiles what a test imports, once
-    # (_pytest lets it write the bytecode).
-    session.install("--no-compile", *[f"./packages/{n}[{extras}]" if extras else f"./packages/{n}" for n in names])
+    _install_packages(session, *[f"./packages/{n}[{extras}]" if extras else f"./packages/{n}" for n in names])
+
+
+def _install_packages(session: nox.Session, *requirements: str) -> None:
+    """One resolver call. With uv, torch and triton are left out of the resolution: uv does not see
+    the shared installs on the venv's path (a .pth file) and would fetch a CUDA build of torch, GBs.
+    With pip, --no-compile: pip byte-compiled every installed module (transformers, pandas, pyarrow,
+    ...) in every venv, ~40 s of CPU per heavy session; Python compiles what a test imports, once
+    (_pytest lets it write the bytecode). uv does not compile unless asked."""
+    if session.venv_backend == "uv":
+        excludes = ROOT / ".nox" / "_shared_excludes.txt"
+        excludes.write_text("torch\ntriton\n")
+        session.install("--excludes", str(excludes), *requirements)
+    else:
+        session.install("--no-compile", *requirements)
 
 
 def _install_shared(session: nox.Session, requirement: str, target: pathlib.Path) -> None:
@@ -75,7 +91,10 @@ def _install_shared(session: nox.Session, requirement: str, target: pathlib.Path
     kernel tests) was copied into the five venvs that install plait-models' test extra; the plait
     packages are still installed per venv alone."""
     if not any(target.glob(f"{requirement.replace('==', '-')}*.dist-info")):
-        session.install("--target", str(target), "--upgrade", requirement)  # compiled once, here
+        # The python that runs nox installs it, with pip: pip's configuration is what finds the
+        # local torch wheel (uv would download one), and a uv venv has no pip. Compiled once, here.
+        session.run(sys.executable, "-m", "pip", "install", "--target", str(target), "--upgrade",
+                    requirement, external=True)
     site = session.run("python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", silent=True)
     (pathlib.Path(site.strip()) / f"_plait_shared_{target.name.strip('_')}.pth").write_text(f"{target}\n")
     if target != SHARED_TORCH:
@@ -111,7 +130,7 @@ def _package_session(name: str):
         _install(session, PACKAGES[name] + [name])
         session.run("python", "-c", f"import plait.{name} as m; print('plait-{name}', m.__version__)")
         if TEST_ONLY.get(name):
-            session.install("--no-compile", *[f"./packages/{n}" for n in TEST_ONLY[name]])
+            _install_packages(session, *[f"./packages/{n}" for n in TEST_ONLY[name]])
         tests = ROOT / "packages" / name / "tests"
         if any(tests.glob("test_*.py")):
             _pytest(session, name, [f"packages/{name}/tests"])
@@ -132,6 +151,8 @@ def combos(session: nox.Session) -> None:
     """tests/: parallel packages combined with the models and each other, and the parity matrix
     (every layout vs one rank), whose report becomes the README's table (`nox -s parity_table`)."""
     _install(session, ALL)
+    if session.venv_backend == "uv":
+        session.install("pip")  # the lease dry run installs its wheels with this venv's pip, as on a GPU machine
     PARITY_REPORT.unlink(missing_ok=True)
     _pytest(session, "combos", ["tests"], env={"PLAIT_PARITY_REPORT": str(PARITY_REPORT)})
     if PARITY_REPORT.exists():
@@ -213,7 +234,7 @@ def bench(session: nox.Session) -> None:
     # torchtitan next to the pinned torch (the constraint keeps pip from replacing it).
     constraints = pathlib.Path(session.create_tmp()) / "torch.txt"
     constraints.write_text(TORCH + "\n")
-    session.install("-c", str(constraints), "torchtitan==0.3.0")
+    _install_packages(session, "-c", str(constraints), "torchtitan==0.3.0")
     session.run("python", "benchmarks/suite.py", *session.posargs)
     # Document masking: causal vs document tokens/s (1 rank, CP 2), FLOPs skipped, CP imbalance.
     session.run("python", "benchmarks/bench_document_mask.py", env={"OMP_NUM_THREADS": "1"})
