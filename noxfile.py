@@ -46,9 +46,11 @@ PACKAGES = {
     "contextparallel": ["mesh"],
     "expertparallel": ["mesh"],
     "pipelineparallel": ["mesh"],
-    "trainer": ["mesh", "models", "dataparallel", "data", "checkpoint"],
+    "faulttolerance": ["mesh"],
+    # faulttolerance: the trainer's optional extra, in its test extra (installed from here, not PyPI)
+    "trainer": ["mesh", "models", "dataparallel", "data", "checkpoint", "faulttolerance"],
     "testing": ["mesh"],
-    "plan": ["mesh", "models", "dataparallel", "data", "checkpoint", "trainer"],
+    "plan": ["mesh", "models", "dataparallel", "data", "checkpoint", "faulttolerance", "trainer"],
 }
 ALL = list(PACKAGES)
 # Sibling packages a package's tests use but the package never imports: installed after its

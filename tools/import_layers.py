@@ -43,18 +43,30 @@ packages/testing          plait-testing          plait.testing           -> plai
 
 def allowed_from_table(table: str) -> dict[str, set[str]]:
     """package -> the plait packages it may import, read from the table's rows: `plait.X` names
-    anywhere after the first `->`; "all of the above": every package in a row above; "a tool
-    above it": also what the package it names may import (the tool runs that package's stack)."""
+    anywhere after the first `->`; "all of the above": every library package of the table (a row
+    that is neither "a tool above it" nor "tests only") but the row's own: the composer's, which
+    DESIGN.md's prose says composes them all, plait-faulttolerance included, whose row stands
+    below it; "a tool above it": also what the package it names may import (the tool runs that
+    package's stack)."""
+    rows = [row for row in (line.strip() for line in table.splitlines()) if row]
+    libraries = {row.split()[0].removeprefix("packages/") for row in rows
+                 if "a tool above it" not in row and "tests only" not in row}
     allowed: dict[str, set[str]] = {}
-    for row in filter(None, (line.strip() for line in table.splitlines())):
+    composers = []
+    for row in rows:
         package = row.split()[0].removeprefix("packages/")
         rule = row.split("->", 1)[1]
         names = set(re.findall(r"plait\.(\w+)", rule))
         if "all of the above" in rule:
-            names |= set(allowed)
+            names |= libraries - {package}
+            composers.append(package)
         if "a tool above it" in rule:
             names |= set().union(*(allowed.get(n, set()) for n in names))
         allowed[package] = names
+    # A library that may import a composer would close a circle: none may.
+    for package, names in allowed.items():
+        if package not in composers and names & set(composers) and package in libraries:
+            raise ValueError(f"DESIGN.md's table lets {package} import the composer {sorted(names & set(composers))}")
     return allowed
 
 

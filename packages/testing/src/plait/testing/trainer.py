@@ -88,15 +88,20 @@ def read_metrics(dump: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(dump) / "metrics.jsonl").read_text().splitlines()]
 
 
+def training_rows(dump: Path) -> list[dict]:
+    """The training steps' rows of `<dump>/metrics.jsonl` (validation rows have no "loss")."""
+    return [row for row in read_metrics(dump) if "loss" in row]
+
+
 def losses(dump: Path) -> list[float]:
-    return [row["loss"] for row in read_metrics(dump)]
+    return [row["loss"] for row in training_rows(dump)]
 
 
 def train_in_process(dump: Path, *args: str, sentinel=None) -> list[dict]:
     """Train in this process (`args` as for plait-train, without --nproc-per-node), entering
-    `sentinel` (a plait.testing.sentinel.StepSentinel) around every step; return the metrics rows
-    (rank 0; other ranks get []). Under plait.testing.run_on_ranks every rank calls it: the
-    process group is the caller's. Global torch settings the run changes are put back."""
+    `sentinel` (a plait.testing.sentinel.StepSentinel) around every step; return the training
+    steps' metrics rows (rank 0; other ranks get []). Under plait.testing.run_on_ranks every rank
+    calls it: the process group is the caller's. Global torch settings the run changes are put back."""
     import torch
 
     from plait.trainer.cli import DEFAULT_CONFIG, parse_args
@@ -118,7 +123,7 @@ def train_in_process(dump: Path, *args: str, sentinel=None) -> list[dict]:
     finally:
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic)
-    return read_metrics(dump) if trainer.rank == 0 else []
+    return training_rows(dump) if trainer.rank == 0 else []
 
 
 def _sentinel_rank(rank: int, world_size: int, dump: str, args: list[str]):

@@ -209,6 +209,9 @@ def build_config(toml: dict | None = None, overrides: list[tuple[str, str]] = ()
             set_value(config, f"{section}.{name}", value)
     for key, value in overrides:
         set_value(config, key, value)
+    if config.fault_tolerance.enable:  # a replica group writes in a folder of its own (fault_tolerance.py)
+        ft = config.fault_tolerance
+        config.job.dump_folder = str(Path(config.job.dump_folder) / f"replica_{ft.replica_id}")
     return config
 
 

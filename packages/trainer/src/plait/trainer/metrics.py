@@ -299,11 +299,16 @@ class MetricsLogger:
             print(line, flush=True)
 
     def log_scalars(self, step: int, values: dict) -> None:
-        """Extra scalars (validation): console and tensorboard on rank 0."""
+        """Extra scalars (validation): console, a metrics.jsonl row of their own ({"step", "val_loss"};
+        training rows are the ones with "loss") and tensorboard, on rank 0."""
         if self.rank != 0:
             return
         text = "  ".join(f"{k} {v:.4f}" for k, v in values.items())
         (self.bar.write if self.bar is not None else print)(f"step {step:>6}  {text}")
+        if self.jsonl is not None:
+            with self._writing():
+                self.jsonl.write(json.dumps({"step": step, **values}) + "\n")
+                self.jsonl.flush()
         if self.tb is not None:
             with self._writing():
                 for key, value in values.items():

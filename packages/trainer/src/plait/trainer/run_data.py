@@ -3,6 +3,7 @@
 import torch.distributed as dist
 
 from .config import Config, ConfigError
+from .fault_tolerance import data_shard
 from .validate import RunPlan
 
 
@@ -21,6 +22,12 @@ def build_loader(config: Config, plan: RunPlan, meshes, dataset: str, split: str
     from plait.data import build_dataloader
 
     t = config.training
+    # A replica group trains on its own part of each global batch (fault_tolerance.data_shard) and
+    # validates on the same batches as every other group: one val_loss, the same in every group's
+    # metrics while their weights agree.
+    dp_rank, dp_degree = meshes.dp_rank, meshes.dp_degree
+    if split == "train":
+        dp_rank, dp_degree = data_shard(config, dp_rank, dp_degree)
     try:
         return build_dataloader(
             dataset=dataset,
@@ -29,8 +36,8 @@ def build_loader(config: Config, plan: RunPlan, meshes, dataset: str, split: str
             seq_len=t.seq_len,
             local_batch_size=t.local_batch_size,
             gradient_accumulation_steps=accumulation,
-            dp_rank=meshes.dp_rank,
-            dp_degree=meshes.dp_degree,
+            dp_rank=dp_rank,
+            dp_degree=dp_degree,
             seed=config.job.seed,
             split=split,
             streaming=config.data.streaming,

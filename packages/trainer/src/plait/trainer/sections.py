@@ -1,5 +1,5 @@
 """The sections of a run's configuration, one dataclass each ([job], [comm], [model], [data],
-[training], [parallelism], [optimizer], [lr_scheduler], [checkpoint], [metrics]).
+[training], [parallelism], [optimizer], [lr_scheduler], [checkpoint], [metrics], [fault_tolerance]).
 
 Every field is documented by the string literal under it: `plait-train --help` prints those docs
 (config.py reads them), so the text under a field is its user-facing documentation.
@@ -311,6 +311,35 @@ class MetricsConfig:
 
 
 @dataclass
+class FaultToleranceConfig:
+    enable: bool = False
+    """Train as one replica group of several (torchft, `pip install 'plait-trainer[faulttolerance]'`):
+    each group is its own plait-train / torchrun job with its own layout inside; the gradient
+    average across groups goes through torchft, every group steps only when all in the quorum
+    committed, a lost group is dropped without stopping the others, and a (re)joining group gets
+    the live state from a peer. Each group writes under <dump_folder>/replica_<replica_id>;
+    replica 0 writes the checkpoints."""
+    replica_id: int = 0
+    """This group's index, 0 .. group_size - 1: it trains on that part of each global batch (and
+    validates on the same batches as every other group, so their val_loss agree)."""
+    group_size: int = 1
+    """The number of replica groups the data is split over (the replicate degree across groups)."""
+    lighthouse: str = ""
+    """The torchft lighthouse's address (http://host:port); "": the TORCHFT_LIGHTHOUSE variable."""
+    min_replicas: int = 1
+    """The fewest groups a step may run with; a group that waits longer than quorum_timeout_s for
+    them exits 74 (infrastructure fault)."""
+    quorum_timeout_s: float = 60.0
+    """Seconds a group waits for a quorum (and a peer's state when it joins) before it exits 74."""
+    semi_sync: Literal["none", "local_sgd", "diloco"] = "none"
+    """none: the gradients are averaged across groups every step. local_sgd: each group steps on
+    its own and the parameters are averaged every sync_steps. diloco: the same, with an outer
+    Nesterov SGD step on the averaged difference (DiLoCo)."""
+    sync_steps: int = 20
+    """Steps between the groups' synchronisations under semi_sync."""
+
+
+@dataclass
 class Config:
     job: JobConfig = field(default_factory=JobConfig)
     comm: CommConfig = field(default_factory=CommConfig)
@@ -322,6 +351,7 @@ class Config:
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
 
 
 SECTIONS: dict[str, type] = {f.name: f.type for f in fields(Config)}

@@ -42,6 +42,10 @@ class StepRunner:
         self.loss_context = self._loss_context_factory()
         # Around each micro-batch's host work before its forward (the planner counts it per micro-batch).
         self.micro_batch_context = contextlib.nullcontext
+        # Fault tolerance (the trainer sets it): the gradient average across replica groups and the
+        # commit vote; `committed` says whether the last step stepped the optimizer.
+        self.replica_group = None
+        self.committed = True
 
     def _loss_context_factory(self):
         if self.pm.loss_parallel:
@@ -155,8 +159,16 @@ class StepRunner:
         return labels_BS[None] if mtp is None else torch.cat([labels_BS[None], mtp[1]])
 
     def _update(self) -> torch.Tensor:
-        """Clip (over every mesh, and every stage under pp), step, schedule; the gradient norm."""
+        """Clip (over every mesh, and every stage under pp), step, schedule; the gradient norm.
+        Replica groups: the gradients are averaged across them first (so every group clips the same
+        norm), and the step is taken only where every group in the quorum commits it."""
+        if self.replica_group is not None:
+            self.replica_group.average_gradients(self.pm.inner.parameters())
         norm = self._clip()
+        self.committed = self.replica_group is None or self.replica_group.should_commit()
+        if not self.committed:
+            self.optimizer.zero_grad(set_to_none=True)
+            return norm
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()

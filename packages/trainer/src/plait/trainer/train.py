@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from plait.data.prefetch import DataWaitStopped, PrefetchingLoader
 from plait.data.sources import DataError
@@ -34,9 +33,10 @@ from .parallelize import parallelize
 from .pipeline import merge_micro_batches
 from .run_data import build_loader, data_exchange
 from .run_lock import take_run_locks
-from .step import IGNORE_INDEX, StepRunner, cross_entropy_loss  # noqa: F401  (cross_entropy_loss: read here)
+from .step import StepRunner, cross_entropy_loss
 from .stop_signal import StopSignal
 from .validate import validate
+from .validation import validation_loss
 
 
 def _set_determinism(config: Config) -> None:
@@ -85,7 +85,8 @@ class Trainer:
             config, self.plan, self.meshes, config.data.dataset, "train", config.training.gradient_accumulation_steps,
             data_exchange(),
         )
-        if config.data.prefetch:
+        # A replica group that joins takes a peer's data position: no batches read ahead of it.
+        if config.data.prefetch and not config.fault_tolerance.enable:
             self.loader = PrefetchingLoader(self.loader, config.data.prefetch)
         self._validation_exchange = None  # made at the first validation (every rank validates then)
         self.moe = MoEStep.for_model(
@@ -109,6 +110,12 @@ class Trainer:
         self.runner = StepRunner(config, self.plan, self.meshes, self.pm, self.optimizer, self.scheduler, self.device,
                                  moe=self.moe, loss_fn=self.loss_fn, pipeline=self.pipeline)  # fmt: skip
         self.step = self.checkpointer.load()  # the last completed step: 0, or a resumed checkpoint's
+        self.replicas = None
+        if config.fault_tolerance.enable:
+            from .fault_tolerance import ReplicaGroupRun
+
+            self.replicas = ReplicaGroupRun(config, self, self.rank, self.dist.world_size)
+            self.runner.replica_group = self.replicas.group
 
     # ---- one step (step.py) -----------------------------------------------------------------
 
@@ -124,49 +131,9 @@ class Trainer:
         # else a training forward records (aux losses) is touched.
         self.model.eval()
         try:
-            return self._validation_loss()
+            return validation_loss(self)
         finally:
             self.model.train()
-
-    def _validation_loss(self) -> float:
-        c = self.config
-        if self._validation_exchange is None:
-            self._validation_exchange = data_exchange()
-        # Under pipeline parallel a validation batch is as large as a training step's local batch
-        # (the schedule's micro-batch count is fixed): the accumulation's batches, merged.
-        accumulation = c.training.gradient_accumulation_steps if self.pipeline is not None else 1
-        loader = build_loader(c, self.plan, self.meshes, c.data.val_dataset, "validation", accumulation,
-                               self._validation_exchange)
-        # [loss sum, valid tokens] over every batch and every dp x cp rank: the token-weighted mean.
-        totals = torch.zeros(2, device=self.device)
-        autocast = self.pm.autocast or contextlib.nullcontext()
-        n = 0
-        for micro_batches in loader:
-            if self.pipeline is not None:
-                micro_batches = merge_micro_batches(micro_batches)
-            self._read_documents(micro_batches)
-            for micro_batch in micro_batches:
-                inputs_BS, labels_BS, positions, documents_BS, _ = self.runner.local_batch(*micro_batch)
-                with self.runner.loss_context(), autocast:
-                    if self.pipeline is not None:  # the loss sum on the last stage's rank, else None
-                        loss = self.pipeline.eval_step(
-                            inputs_BS, labels_BS, positions=positions, document_positions=documents_BS
-                        )
-                        loss = torch.zeros((), device=self.device) if loss is None else loss
-                    else:
-                        loss = cross_entropy_loss(self.runner.forward(inputs_BS, positions, documents_BS), labels_BS)
-                totals[0] += loss.full_tensor() if isinstance(loss, DTensor) else loss
-                totals[1] += (labels_BS != IGNORE_INDEX).sum()
-                n += 1
-            if n >= c.data.val_steps:
-                break
-        if self.pipeline is not None:  # the loss sums live on the last stage's ranks
-            loss_sum = totals[0].clone()
-            dist.all_reduce(loss_sum, group=self.meshes.pp.get_group())
-            totals[0] = loss_sum
-        if self.meshes.dp_cp is not None:
-            dist.all_reduce(totals, group=self.meshes.dp_cp.get_group())
-        return (totals[0] / totals[1].clamp(min=1)).item()
 
     # ---- the loop ---------------------------------------------------------------------------
 
@@ -213,7 +180,8 @@ class Trainer:
             self.loader.should_stop = lambda: loop.stop.requested
         finished = self.step >= c.training.steps
         try:
-            with step_profiler(c, self.rank, self.device) as prof:
+            semi_sync = self.replicas.semi_sync() if self.replicas is not None else None
+            with step_profiler(c, self.rank, self.device) as prof, semi_sync or contextlib.nullcontext():
                 self._loop(loop, iter(self.loader), prof)
                 finished = self.step >= c.training.steps and not loop.stop_now
             self.checkpointer.close()
@@ -261,6 +229,10 @@ class Trainer:
     def _loop(self, loop: "_Loop", data_iter, prof) -> None:
         c = self.config
         while self.step < c.training.steps:
+            if self.replicas is not None:
+                self.replicas.begin_step()  # a group behind the quorum takes a peer's state (and step)
+                if self.step >= c.training.steps:
+                    break
             self.step += 1
             t0 = time.perf_counter()
             micro_batches = self._next_batch(data_iter, loop)
@@ -270,7 +242,14 @@ class Trainer:
             lr = self.scheduler.get_last_lr()[0]
             with self.step_sentinel or contextlib.nullcontext():
                 loss, norm = self.train_step(micro_batches)
+            if not self.runner.committed:  # a replica group was lost in this step: every group drops it
+                log.info(f"fault tolerance: step {self.step} was not committed (a replica group was lost); "
+                         "its batch is skipped and the step runs again on the next one")
+                self.step -= 1
+                continue
             extra = self.moe.step_metrics() if self.moe else None
+            if self.replicas is not None:
+                extra = {**(extra or {}), "quorum": self.replicas.participants}
             if self.step_sentinel is not None:
                 syncs, violations = self.step_sentinel.step_counts()[-1]
                 extra = {**(extra or {}), "host_syncs": syncs, "precondition_violations": violations}
@@ -318,7 +297,8 @@ class Trainer:
             check_finite(rows)
         elif self.checkpointer.due(self.step, last=last, stopping=loop.stop_now):
             self._check_finite_before_save(loop.metrics)
-        self.checkpointer.after_step(self.step, last=last, stopping=loop.stop_now)
+        if self.replicas is None or self.replicas.should_save_checkpoint():
+            self.checkpointer.after_step(self.step, last=last, stopping=loop.stop_now)
         if loop.stop_now:
             log.info(f"SIGTERM, stopped after step {self.step}.")
             return True
@@ -370,10 +350,11 @@ def run(config: Config) -> bool:
 
     An exception that ends the run leaves with `plait_exit_code` (the code, settled against the
     previous run's failure: exit_codes.settle) and `plait_exit_why`."""
-    trainer = None
+    trainer = replicas = None
     code = exit_codes.ERROR
     try:
         trainer = Trainer(config)
+        replicas = trainer.replicas
         finished = trainer.train()
         code = exit_codes.FINISHED if finished else exit_codes.STOPPED
         return finished
@@ -391,6 +372,8 @@ def run(config: Config) -> bool:
     finally:
         if trainer is not None:
             trainer.release(code)
+        if replicas is not None:
+            replicas.shutdown()
         destroy_distributed()
 
 

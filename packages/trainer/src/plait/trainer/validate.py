@@ -17,6 +17,7 @@ from plait.mesh import ParallelConfigError, ParallelDims
 
 from .config import Config, ConfigError
 from .data_checks import build_checked_tokenizer, check_data
+from .fault_tolerance import check_fault_tolerance
 from .float8 import check_float8, check_float8_linears
 from .float8_experts import check_float8_experts
 from .machine_checks import check_comm, check_memory_fits
@@ -269,6 +270,7 @@ def validate(config: Config, world_size: int | None = None, check_memory: bool =
     if check_memory:
         check_size_bound(config, spec, model_args, world_size)  # before a build that is minutes at 10^5 layers
     _check_data_parallel(config, dims)
+    check_fault_tolerance(config, dims)
     check_data(config, read_sources=need_data)
     _check_hf_weights(config, model_args)
     _check_hf_export(config, spec, model_args)
