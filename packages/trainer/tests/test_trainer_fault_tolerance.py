@@ -2,6 +2,10 @@
 plait-train, a torchft lighthouse in this process. Groups run concurrently, each forked from the
 warm plait-train server (plait.testing.warm_cli) in a thread of its own."""
 
+import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -24,6 +28,12 @@ VALIDATE_AT_END = ["--data.val_dataset", "builtin", "--data.val_steps", "1"]
 def _group(lighthouse, i: int, *more: str) -> list[str]:
     return ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2", "--fault_tolerance.replica_id", str(i),
             "--fault_tolerance.lighthouse", lighthouse, "--fault_tolerance.quorum_timeout_s", "60", *more]  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _concurrently(*runs):
@@ -129,13 +139,35 @@ def test_a_killed_group_is_dropped_then_rejoins_with_the_live_state(tmp_path):
     assert _val_loss(tmp_path / "replica_0") == _val_loss(tmp_path / "replica_1")
 
 
-def test_no_lighthouse_is_one_line_and_exit_74(tmp_path):
-    """A lighthouse that is not there: exit 74 (requeue), one line naming its address."""
-    result = run_cli(tmp_path, *TINY, "--training.steps", "2",
-                     *_group("http://127.0.0.1:9", 0, "--fault_tolerance.quorum_timeout_s", "3"),
+@pytest.mark.timeout(180)
+def test_a_lighthouse_absent_or_lost_is_one_line_and_exit_74(tmp_path):
+    """No lighthouse at the address: exit 74 (requeue), one line naming it. A lighthouse that
+    dies while the group trains: the same, at the next step's quorum."""
+    quick = ["--fault_tolerance.quorum_timeout_s", "3"]
+    result = run_cli(tmp_path / "absent", *TINY, "--training.steps", "2", *_group("http://127.0.0.1:9", 0, *quick),
                      expect=exit_codes.INFRA)  # fmt: skip
     last = result.stderr.strip().splitlines()[-1]
     assert "http://127.0.0.1:9" in last and "lighthouse" in last, last
+
+    # A lighthouse process (the in-process one keeps serving its open connections after shutdown()).
+    port = _free_port()
+    lighthouse = subprocess.Popen([str(Path(sys.executable).parent / "torchft_lighthouse"), "--bind", f"[::]:{port}",
+                                   "--min_replicas", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    address = f"http://localhost:{port}"
+    dump = tmp_path / "lost"
+    run = threading.Thread(target=lambda: results.append(run_cli(
+        dump, *TINY, "--training.steps", "100000", *_group(address, 0, *quick), expect=None)))  # fmt: skip
+    results = []
+    run.start()
+    deadline = time.monotonic() + 120
+    while not (dump / "replica_0" / "metrics.jsonl").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    lighthouse.kill()
+    lighthouse.wait()
+    run.join(timeout=120)
+    assert results and results[0].returncode == exit_codes.INFRA, results and results[0].stderr[-2000:]
+    last = results[0].stderr.strip().splitlines()[-1]
+    assert address in last and "lighthouse" in last, last
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -159,3 +191,53 @@ def _pairs(argv: list[str]) -> list[tuple[str, str]]:
     from plait.trainer.cli import parse_args
 
     return parse_args(argv).overrides
+
+
+README = Path(__file__).parents[1] / "README.md"
+
+
+def _readme_block(marker: str) -> str:
+    import re
+
+    return next(b for b in re.findall(r"```bash\n(.*?)```", README.read_text(), re.S) if marker in b)
+
+
+@pytest.mark.timeout(300)
+def test_the_one_machine_recipe_runs_as_printed(tmp_path):
+    """The README's two groups on one machine, on this CPU: one rank a group and a tiny model
+    instead of four GPUs and Llama 3 8B, a free port instead of 29510; the rest as printed."""
+    from plait.testing.trainer import cli_env
+
+    port = _free_port()
+    tiny = " ".join([*TINY, "--training.steps", "3", "--training.seq_len", "64"])
+    script = (_readme_block("torchft_lighthouse --bind").replace("--nproc-per-node 4", "--nproc-per-node 1")
+              .replace("--config llama3_8B.toml", tiny).replace("29510", str(port)))  # fmt: skip
+    env = {**cli_env(), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, check=True, timeout=240, capture_output=True)
+    for i in range(2):
+        rows = training_rows(tmp_path / "runs" / "llama3-8b-ft" / f"replica_{i}")
+        assert [(r["step"], r["quorum"]) for r in rows] == [(1, 2), (2, 2), (3, 2)], rows
+        assert (tmp_path / "runs" / "llama3-8b-ft" / f"replica_{i}" / "exit_status").read_text().strip() == "0"
+
+
+def test_the_slurm_recipe_restarts_a_group_that_can_resume(tmp_path):
+    """The README's SLURM script with srun, scontrol and sleep stubbed: each group runs on its own
+    nodes, and a group whose exit_status is 74 is started again, once, until it finishes."""
+    stubs = r'''
+scontrol() { printf 'n1\nn2\nn3\nn4\n'; }
+sleep() { :; }
+srun() {
+  case "$*" in *torchft_lighthouse*) echo "lighthouse $*" >> calls; return 0 ;; esac
+  local all="$*"; local id=${all##*replica_id } nodes=${all##*-w }; id=${id%% *} nodes=${nodes%% *}
+  echo "group $id $nodes" >> calls
+  mkdir -p runs/llama3-70b-ft/replica_$id
+  # the first run of each group: a lost node (74); the second finishes
+  if [ -f ran_$id ]; then echo 0; else touch ran_$id; echo 74; fi > runs/llama3-70b-ft/replica_$id/exit_status
+}
+SLURM_JOB_NODELIST=n[1-4]
+'''
+    script = stubs + _readme_block("#SBATCH --nodes=4 --ntasks-per-node=1")
+    subprocess.run(["bash", "-c", script], cwd=tmp_path, check=True, timeout=30)
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert calls[0].startswith("lighthouse") and "-w n1" in calls[0]
+    assert sorted(calls[1:]) == ["group 0 n1,n2", "group 0 n1,n2", "group 1 n3,n4", "group 1 n3,n4"], calls
