@@ -60,35 +60,41 @@ def _val_loss(dump) -> float:
     return [r["val_loss"] for r in read_metrics(dump) if "val_loss" in r][-1]
 
 
+def _groups_against_hsdp(tmp_path, address: str, ranks_per_group: int, steps: int = 4) -> None:
+    """2 groups of `ranks_per_group` ranks (FSDP inside a group of 2) against HSDP 2 x that, fp32:
+    each step's mean loss and the gradient norm are HSDP's; every row logs a quorum of 2; both
+    groups end with the same weights (the same val_loss); replica 0 writes the checkpoints."""
+    args = [*TINY, *parity_args(steps), "--metrics.log_freq", "1", *VALIDATE_AT_END, "--data.val_interval", str(steps)]
+    ranks = ["--nproc-per-node", str(ranks_per_group)] if ranks_per_group > 1 else []
+    _concurrently(
+        *[lambda i=i: run_cli(tmp_path / "ft", *args, *ranks, *_group(address, i, "--fault_tolerance.min_replicas", "2"),
+                              "--checkpoint.enable", "--checkpoint.interval", "2") for i in range(2)],
+        lambda: run_cli(tmp_path / "hsdp", *args, "--nproc-per-node", str(2 * ranks_per_group),
+                        "--parallelism.dp_replicate", "2", "--parallelism.dp_shard", str(ranks_per_group)),
+    )  # fmt: skip
+    groups = [training_rows(tmp_path / "ft" / f"replica_{i}") for i in range(2)]
+    hsdp = training_rows(tmp_path / "hsdp")
+    assert [r["step"] for r in groups[0]] == [r["step"] for r in groups[1]] == list(range(1, steps + 1))
+    for g0, g1, ref in zip(*groups, hsdp):
+        assert abs((g0["loss"] + g1["loss"]) / 2 - ref["loss"]) < 1e-5, (g0, g1, ref)
+        assert abs(g0["grad_norm"] - ref["grad_norm"]) <= 1e-5 * ref["grad_norm"] and g0["grad_norm"] == g1["grad_norm"]
+        assert g0["quorum"] == g1["quorum"] == 2
+    assert _val_loss(tmp_path / "ft" / "replica_0") == _val_loss(tmp_path / "ft" / "replica_1")
+    assert sorted(p.name for p in (tmp_path / "ft" / "replica_0" / "checkpoints").glob("step-*")) == [
+        "step-000002", "step-000004"]  # fmt: skip
+    assert not list((tmp_path / "ft" / "replica_1").glob("checkpoints/step-*"))
+
+
 @pytest.mark.timeout(300)
 def test_two_groups_step_like_hsdp_and_only_the_first_saves(tmp_path):
-    """2 groups x 1 rank, fp32: each step's mean loss and the gradient norm are HSDP 2 x 1's on the
-    same data; every row logs a quorum of 2; both groups end with the same weights (the same
-    val_loss); replica 0 writes the checkpoints and replica 1 none. Then the same under DiLoCo:
-    the groups step alone and agree after the last sync."""
-    steps = 4
-    args = [*TINY, *parity_args(steps), "--metrics.log_freq", "1", *VALIDATE_AT_END, "--data.val_interval", str(steps)]
+    """2 groups x 1 rank against HSDP 2 x 1, and 2 groups x FSDP 2 against HSDP 2 x 2 (the live
+    state of step 0 travels as FSDP's DTensor shards, rank to rank). Then DiLoCo: the groups step
+    alone on their own data and agree after the last sync."""
     lighthouse = ft.start_lighthouse(min_replicas=2)
     try:
         address = lighthouse.address()
-        _concurrently(
-            *[lambda i=i: run_cli(tmp_path / "ft", *args, *_group(address, i, "--fault_tolerance.min_replicas", "2"),
-                                  "--checkpoint.enable", "--checkpoint.interval", "2") for i in range(2)],
-            lambda: run_cli(tmp_path / "hsdp", *args, "--nproc-per-node", "2", "--parallelism.dp_replicate", "2",
-                            "--parallelism.dp_shard", "1"),
-        )  # fmt: skip
-        groups = [training_rows(tmp_path / "ft" / f"replica_{i}") for i in range(2)]
-        hsdp = training_rows(tmp_path / "hsdp")
-        assert [r["step"] for r in groups[0]] == [r["step"] for r in groups[1]] == list(range(1, steps + 1))
-        for g0, g1, ref in zip(*groups, hsdp):
-            assert abs((g0["loss"] + g1["loss"]) / 2 - ref["loss"]) < 1e-5, (g0, g1, ref)
-            assert abs(g0["grad_norm"] - ref["grad_norm"]) <= 1e-5 * ref["grad_norm"] and g0["grad_norm"] == g1["grad_norm"]
-            assert g0["quorum"] == g1["quorum"] == 2
-        assert _val_loss(tmp_path / "ft" / "replica_0") == _val_loss(tmp_path / "ft" / "replica_1")
-        assert sorted(p.name for p in (tmp_path / "ft" / "replica_0" / "checkpoints").glob("step-*")) == [
-            "step-000002", "step-000004"]  # fmt: skip
-        assert not list((tmp_path / "ft" / "replica_1").glob("checkpoints/step-*"))
-
+        _groups_against_hsdp(tmp_path / "one_rank", address, ranks_per_group=1)
+        _groups_against_hsdp(tmp_path / "fsdp", address, ranks_per_group=2)
         diloco = [*TINY, *parity_args(4), "--data.val_interval", "4", *VALIDATE_AT_END]
         _concurrently(*[lambda i=i: run_cli(
             tmp_path / "diloco", *diloco, *_group(address, i, "--fault_tolerance.semi_sync", "diloco",
