@@ -68,11 +68,11 @@ def live_state(model, optimizer, extra: dict, loads: list):
     return state_dict, load_state_dict
 
 
-def reference(shards_per_step: list[list[int]]) -> dict[str, torch.Tensor]:
+def reference(shards_per_step: list[list[int]], optimizer_cls=torch.optim.Adam) -> dict[str, torch.Tensor]:
     """One process, one model: each committed step averages the gradient of the shards that took
-    part (the loss mean over them) and steps Adam, as the groups did together."""
+    part (the loss mean over them) and steps the optimizer (Adam), as the groups did together."""
     model = tiny_model()
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    optimizer = optimizer_cls(model.parameters(), lr=LR)
     for position, shards in enumerate(shards_per_step):
         loss = sum(shard_loss(model, s, position) for s in shards) / len(shards)
         loss.backward()

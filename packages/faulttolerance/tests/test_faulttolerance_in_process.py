@@ -22,11 +22,11 @@ torch.set_num_threads(1)
 _model_lock = threading.Lock()  # the threads share torch's seeded generator
 
 
-def _group_thread(replica_id: int, lighthouse: str, steps: int, **settings) -> dict:
+def _group_thread(replica_id: int, lighthouse: str, steps: int, optimizer_cls=torch.optim.Adam, **settings) -> dict:
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     with _model_lock:
         model = tiny_model()
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    optimizer = optimizer_cls(model.parameters(), lr=LR)
     extra, loads = {"position": 0, "step": 0}, []
     settings = {"timeout_s": 10, "quorum_timeout_s": 20, "connect_timeout_s": 10, **settings}
     config = FaultToleranceConfig(replica_id=replica_id, group_size=2, lighthouse=lighthouse, **settings)
@@ -108,6 +108,16 @@ def test_semi_sync_equals_replay(method):
     for r, m in zip(results, expected):
         assert r["participants"] == 2 and r["step"] == 2, "two syncs, both groups in each"
         torch.testing.assert_close(r["params"], m.state_dict(), rtol=1e-5, atol=1e-6)
+
+
+def test_local_sgd_syncing_every_step_is_synchronous_training():
+    """With plain SGD, averaging the parameters after every local step is averaging the gradients
+    before it: LocalSGD with sync_steps 1 is the synchronous run."""
+    results = _two_groups(steps=4, semi_sync="local_sgd", sync_steps=1, init_sync=False, optimizer_cls=torch.optim.SGD)
+    expected = reference([[0, 1]] * 4, optimizer_cls=torch.optim.SGD)
+    for r in results:
+        assert r["participants"] == 2 and r["step"] == 4, "four syncs, both groups in each"
+        torch.testing.assert_close(r["params"], expected, rtol=1e-5, atol=1e-6)
 
 
 def _alone(lighthouse: str, **settings) -> None:
