@@ -16,12 +16,10 @@ would hide a wrong gradient scale) and every parameter after the last step withi
 router aux loss (`output_router_logits`) stays off: transformers computes it from each rank's own
 tokens, which no data-parallel run reproduces.
 
-One spawn per world size serves every case and model of that size; the README's transformers
-example runs, as written, in the 2-rank spawn.
+One spawn per world size serves every case and model of that size. The README's transformers
+example runs as printed in tests/test_combo_readme_blocks.py.
 """
 
-import pathlib
-import re
 from unittest import mock
 
 import pytest
@@ -144,18 +142,8 @@ def run_case(case: str, name: str, rank: int, world_size: int) -> dict:
 def _rank_cases(rank: int, world_size: int, cases: list[str]) -> dict:
     torch.set_num_threads(1)
     out = {(case, name): run_case(case, name, rank, world_size) for case in cases for name in MODELS}
-    if world_size == 2:  # the README's transformers example, as written, on these ranks (its `main`)
-        namespace = {"__name__": "readme_example"}
-        exec(compile(readme_example(), "README.md", "exec"), namespace)
-        out["readme"] = namespace["main"](rank, world_size)
     # Only rank 0's whole tensors come back (every rank gathered the same); the others' losses.
-    return out if rank == 0 else {key: run["losses"] for key, run in out.items() if key != "readme"}
-
-
-def readme_example() -> str:
-    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
-    section = readme[readme.index("### transformers 5's MoE models") :]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    return out if rank == 0 else {key: run["losses"] for key, run in out.items()}
 
 
 @pytest.fixture(scope="module")
@@ -206,11 +194,6 @@ def test_transformers_moe_under_expert_parallel_trains_like_one_process(referenc
     assert got["paths"] == EXPERT_PATHS
     assert got["syncs"] == [STEPS] * LAYERS  # the dispatch's one host sync per layer and step, no more
     assert (got["local_shape"], got["placements"]) == LOCAL_GATE_UP[case]
-
-
-def test_readme_transformers_example_runs_as_written(spawns):
-    assert "run_on_ranks(main, 2)" in readme_example()
-    assert spawns(2)[0]["readme"] == (torch.Size([E // 2, 2 * FFN, HIDDEN]), True)
 
 
 def test_adaptation_keeps_parameters_names_and_outputs():
