@@ -31,7 +31,8 @@ def test_the_rules_are_read_from_the_design_tables_words():
     assert allowed["mesh"] == allowed["models"] == set()
     assert all(allowed[p] == {"mesh"} for p in parallel) and allowed["data"] == {"mesh"}
     assert allowed["checkpoint"] == {"mesh", "models"} and allowed["faulttolerance"] == {"mesh"}
-    assert allowed["trainer"] == {"mesh", "models", "data", "checkpoint"} | parallel
+    # "all of the above": every library of the table, plait-faulttolerance's row below it included
+    assert allowed["trainer"] == {"mesh", "models", "data", "checkpoint", "faulttolerance"} | parallel
     assert allowed["plan"] == allowed["trainer"] | {"trainer"} and allowed["testing"] == {"mesh", "trainer"}
     card = ROOT.parent / "shared" / "DESIGN.md"
     if card.is_file():

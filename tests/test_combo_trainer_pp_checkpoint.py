@@ -104,6 +104,6 @@ def test_pp2_sigkill_resume_is_bit_identical_and_the_hf_export_holds_every_stage
 
 
 def _metrics(dump: Path) -> dict[int, float]:
-    import json
+    from plait.testing.trainer import training_rows
 
-    return {row["step"]: row["loss"] for row in map(json.loads, (dump / "metrics.jsonl").read_text().splitlines())}
+    return {row["step"]: row["loss"] for row in training_rows(dump)}  # not the val_loss rows
