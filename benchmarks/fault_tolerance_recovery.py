@@ -100,7 +100,9 @@ def _table(r: dict, commit: str) -> str:
         f"| survivor: steps alone (quorum 1) | {r['steps_alone']} |",
         f"| rejoining group | took the live state of step {r['joined_at']}, then stepped with the survivor: "
         f"{r['catch_up_steps']} steps spent catching up |",
-        f"| away | {r['down_s']:.1f} s from the kill to the restart's start; mean step {r['mean_step_s'] * 1000:.0f} ms |",
+        f"| away | {r['down_s']:.1f} s from the kill to the restart's start; mean step {r['mean_step_s'] * 1000:.0f} ms, "
+        f"so ~{r['steps_alone'] * r['mean_step_s']:.0f} s alone: the wait, then a fresh plait-train's start (imports, "
+        "model build) and its entry into the next quorum |",
         f"| exit codes | survivor {r['exit_codes'][0]}, rejoined group {r['exit_codes'][1]} |",
         "",
     ])  # fmt: skip
