@@ -275,43 +275,11 @@ def _serve() -> None:
 
 
 def _child(argv: list[str], cwd: Path) -> None:
-    """Become `python *argv` in cwd and exit as its interpreter would; never returns."""
-    import runpy
-    import threading
-    import traceback
+    """Become `python *argv` in cwd, in a process group of its own (a timeout kills the block and
+    what it started); never returns."""
+    from plait.testing.forked_main import become_main
 
-    code = 1
-    try:
-        os.setsid()
-        os.chdir(cwd)
-        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-        for fd, name in ((1, "stdout"), (2, "stderr")):
-            os.dup2(os.open(cwd.parent / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
-        sys.path[0] = str(cwd)
-        try:
-            if argv[0] == "-m":
-                sys.argv = argv[1:]
-                runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-            else:
-                sys.argv = argv  # __file__ absolute, as `python block.py` has it (multiprocessing reads it)
-                runpy.run_path(str(cwd / argv[0]), run_name="__main__")
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            if not isinstance(e.code, (int, type(None))):
-                print(e.code, file=sys.stderr)
-        except BaseException:
-            traceback.print_exc()
-        threading._shutdown()  # as the interpreter does at exit: join non-daemon threads
-        atexit._run_exitfuncs()
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+    become_main(argv, cwd, cwd.parent / "stdout", cwd.parent / "stderr", new_session=True)
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["serve"]:

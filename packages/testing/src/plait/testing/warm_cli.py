@@ -154,35 +154,7 @@ def _reap(children: dict[int, str]) -> None:
 
 def _child(request: dict) -> None:
     """Become `python -m plait.trainer ARGV` and exit as its interpreter would; never returns."""
-    import runpy
-    import traceback
+    from .forked_main import become_main
 
-    code = 1
-    try:
-        os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
-        sys.argv = ["-m", *request["argv"]]
-        sys.path[0] = request["cwd"]
-        try:
-            runpy.run_module("plait.trainer", run_name="__main__", alter_sys=True)
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            if not isinstance(e.code, (int, type(None))):
-                print(e.code, file=sys.stderr)
-        except BaseException:
-            traceback.print_exc()
-        threading._shutdown()  # as the interpreter does at exit: join non-daemon threads
-        atexit._run_exitfuncs()
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+    become_main(["-m", "plait.trainer", *request["argv"]], request["cwd"], request["stdout"], request["stderr"],
+                env=request["env"])
