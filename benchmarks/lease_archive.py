@@ -26,7 +26,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from lease_table import prepend, read_env, section
+from lease_mfu_figure import draw_mfu
+from lease_table import prepend, read_env, read_jsonl, section
 
 HERE = Path(__file__).resolve().parent
 TEXT = (".txt", ".tsv", ".jsonl", ".log", ".md")
@@ -116,11 +117,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     left_out = archive(args.out, dest, int(args.max_trace_mb * 2**20))
     text = section(dest, args.commit)
-    (dest / "table.md").write_text(text)
+    # The MFU of each run as bars next to the table (matplotlib where installed).
+    figure = draw_mfu(read_jsonl(dest / "bench.jsonl"), dest / "mfu.png")
+    (dest / "table.md").write_text(text + ("\n![MFU per run](mfu.png)\n" if figure else ""))
     lines = manifest(dest, left_out)
     (dest / "MANIFEST.txt").write_text("\n".join(lines) + "\n")
     if args.results:
-        prepend(args.results, text)
+        prepend(args.results, text + (f"\n![MFU per run](leases/{dest.name}/mfu.png)\n" if figure else ""))
     print(
         f"lease_archive: {dest}: {len(lines) - 1 - len(left_out)} files, {len(left_out)} left out "
         f"(MANIFEST.txt); table.md regenerated" + (f", prepended to {args.results}" if args.results else "")

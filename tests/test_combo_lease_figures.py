@@ -237,4 +237,7 @@ def test_archive_a_lease(tmp_path):
     table = (dest / "table.md").read_text()
     assert table.startswith("## GPU lease, 2026-11-29") and "2 of 3 entries passed" in table
     assert results.read_text().startswith("# Results\n\n## GPU lease, 2026-11-29")
+    # The MFU figure beside the table, linked from both (matplotlib: plait-trainer's test extra).
+    assert (dest / "mfu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "![MFU per run](mfu.png)" in table
+    assert "![MFU per run](leases/2026-11-29-0123456789ab/mfu.png)" in results.read_text()
     assert lease_archive.main(argv[:-2]) == 2  # the folder exists: --force
