@@ -482,6 +482,13 @@ def main() -> None:
               f"{machine()}; torch {torch_version()}; torchtitan {TORCHTITAN_VERSION}; commit {commit()}; "
               f"{args.steps} steps, {args.warmup} warmup, {args.rounds} round(s); "
               f"{(time.time() - started) / 60:.0f} min.\n")  # fmt: skip
+    if not args.no_results:  # the plait runs' tokens/s per layout, as bars beside the tables
+        from layout_figure import draw_tokens_per_second
+
+        name = f"figures/bench_layouts-{datetime.date.today()}.png"
+        medians = {k: r.median for k, r in runs.items() if not r.error}
+        if draw_tokens_per_second(medians, HERE / name, f"plait tokens/s per layout, {machine()}"):
+            text += f"\n![plait tokens/s per layout]({name})\n"
     print("\n" + header + "\n" + text)
     if not args.no_results:
         results = HERE / "RESULTS.md"

@@ -241,3 +241,21 @@ def test_archive_a_lease(tmp_path):
     assert (dest / "mfu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "![MFU per run](mfu.png)" in table
     assert "![MFU per run](leases/2026-11-29-0123456789ab/mfu.png)" in results.read_text()
     assert lease_archive.main(argv[:-2]) == 2  # the folder exists: --force
+
+
+def test_the_suites_tokens_per_second_figure(tmp_path, monkeypatch):
+    """benchmarks/suite.py's layouts as bars (benchmarks/layout_figure.py): plait's runs only, in the
+    suite's order, a failed run left out; read back through matplotlib's own objects."""
+    import layout_figure
+    from matplotlib.figure import Figure
+
+    medians = {"plait:llama3-1:eager": 1200.0, "torchtitan:llama3-1:eager": 1000.0, "plait:llama3-tp2:eager": 2100.0,
+               "plait:llama3-seq4096-cp2-ring:compile": None}  # fmt: skip
+    drawn, save = [], Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: (drawn.append(self), save(self, *a, **k))[1])
+    assert layout_figure.draw_tokens_per_second(medians, tmp_path / "figures" / "layouts.png", "t")
+    (ax,) = drawn[0].axes
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["llama3-1, eager", "llama3-tp2, eager"]
+    assert [bar.get_width() for bar in ax.patches] == [1200.0, 2100.0]
+    assert (tmp_path / "figures" / "layouts.png").read_bytes()[:4] == b"\x89PNG"
+    assert not layout_figure.draw_tokens_per_second({"plait:x:eager": None}, tmp_path / "none.png", "t")
