@@ -53,6 +53,7 @@ PACKAGES = {
     "plan": ["mesh", "models", "dataparallel", "data", "checkpoint", "faulttolerance", "trainer"],
 }
 ALL = list(PACKAGES)
+PARALLEL_SESSIONS = {"trainer"}  # and combos (see XDIST)
 # Sibling packages a package's tests use but the package never imports: installed after its
 # import has been checked alone (the pipeline parity tests run the plait Llama 3 model).
 # plait-testing (run_on_ranks, the step sentinel) serves every package's tests: installed with
@@ -125,7 +126,16 @@ def _pip_find_links() -> list[str]:
     return [arg for link in links.split() for arg in ("--find-links", link)]
 
 
-def _pytest(session: nox.Session, name: str, paths: list[str], env: dict | None = None) -> None:
+# The two long sessions run their test files on two pytest-xdist workers, a file to a worker (a file's
+# tests share its module fixtures: the parity matrix's runs, a resumed run's straight twin). Alone, a
+# test of theirs left a core idle much of the time: a one-rank run, a rank starting, a child waiting
+# out a timeout or a signal. `-p no:xdist` (nox -s trainer -- -p no:xdist) runs them one at a time.
+XDIST = ["-n", "2", "--dist", "loadfile"]
+XDIST_REQUIREMENT = "pytest-xdist>=3.6"
+
+
+def _pytest(session: nox.Session, name: str, paths: list[str], env: dict | None = None,
+            workers: list[str] = ()) -> None:  # fmt: skip
     REPORTS.mkdir(parents=True, exist_ok=True)
     # PYTHONDONTWRITEBYTECODE (set on the CI machines) left every process compiling the modules
     # it imports from source, as the venvs' packages are installed --no-compile: a rank's imports
@@ -136,7 +146,7 @@ def _pytest(session: nox.Session, name: str, paths: list[str], env: dict | None 
         f"--junitxml={REPORTS / name}.xml", "-o", "junit_family=xunit2",
         # Checkpoints of passed tests go at once (a suite writes several GB of them).
         "-o", "tmp_path_retention_policy=failed",
-        *session.posargs, env=env,
+        *([] if "no:xdist" in session.posargs else workers), *session.posargs, env=env,
     )
 
 
@@ -145,11 +155,13 @@ def _package_session(name: str):
     def session(session: nox.Session) -> None:
         _install(session, PACKAGES[name] + [name])
         session.run("python", "-c", f"import plait.{name} as m; print('plait-{name}', m.__version__)")
-        if TEST_ONLY.get(name):
-            _install_packages(session, *[f"./packages/{n}" for n in TEST_ONLY[name]])
+        parallel = name in PARALLEL_SESSIONS
+        if TEST_ONLY.get(name) or parallel:
+            _install_packages(session, *[f"./packages/{n}" for n in TEST_ONLY.get(name, [])],
+                              *([XDIST_REQUIREMENT] if parallel else []))
         tests = ROOT / "packages" / name / "tests"
         if any(tests.glob("test_*.py")):
-            _pytest(session, name, [f"packages/{name}/tests"])
+            _pytest(session, name, [f"packages/{name}/tests"], workers=XDIST if parallel else ())
         else:
             (REPORTS / f"{name}.xml").unlink(missing_ok=True)
             session.log(f"plait-{name} has no tests yet (its issue has not landed): install and import checked.")
@@ -167,10 +179,10 @@ def combos(session: nox.Session) -> None:
     """tests/: parallel packages combined with the models and each other, and the parity matrix
     (every layout vs one rank), whose report becomes the README's table (`nox -s parity_table`)."""
     _install(session, ALL)
-    if session.venv_backend == "uv":
-        session.install("pip")  # the lease dry run installs its wheels with this venv's pip, as on a GPU machine
+    # pip: the lease dry run installs its wheels with this venv's pip, as on a GPU machine.
+    _install_packages(session, XDIST_REQUIREMENT, *(["pip"] if session.venv_backend == "uv" else []))
     PARITY_REPORT.unlink(missing_ok=True)
-    _pytest(session, "combos", ["tests"], env={"PLAIT_PARITY_REPORT": str(PARITY_REPORT)})
+    _pytest(session, "combos", ["tests"], env={"PLAIT_PARITY_REPORT": str(PARITY_REPORT)}, workers=XDIST)
     if PARITY_REPORT.exists():
         session.run("python", "tools/parity_table.py", str(PARITY_REPORT))
 

@@ -219,11 +219,14 @@ def test_the_one_machine_recipe_runs_as_printed(tmp_path):
     script = (_readme_block("torchft_lighthouse --bind").replace("--nproc-per-node 4", "--nproc-per-node 1")
               .replace("--config llama3_8B.toml", tiny).replace("29510", str(port)))  # fmt: skip
     env = {**cli_env(), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, check=True, timeout=240, capture_output=True)
+    ran = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, timeout=240, capture_output=True, text=True)
+    out = f"exit {ran.returncode}\n{ran.stdout[-3000:]}\n{ran.stderr[-6000:]}"
+    assert ran.returncode == 0, out
     groups = [tmp_path / "runs" / "llama3-8b-ft" / f"replica_{i}" for i in range(2)]
     rows = [training_rows(group) for group in groups]
     for group, group_rows in zip(groups, rows):
-        assert (group / "exit_status").read_text().strip() == "0"
+        status = group / "exit_status"
+        assert status.is_file() and status.read_text().strip() == "0", f"{group.name}: {out}"
         # min_replicas 1: a group that starts seconds before the other steps alone (quorum 1), and
         # one that joins later takes its state (its first rows are the steps it took the state of)
         steps = [r["step"] for r in group_rows]
