@@ -24,6 +24,7 @@ import math
 import zlib
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -36,7 +37,10 @@ FMIX_MULTIPLIERS = (0x85EBCA6B - 2**32, 0xC2B2AE35 - 2**32)
 def local_box(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """(local shape, global offset, global shape) of the part of `param` this rank holds."""
     if isinstance(param, DTensor):
-        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        # Plain integers, from index tensors torch builds on the CPU: real ones under the
+        # planner's fake tensors too (a fake one could not be read).
+        with unset_fake_temporarily():
+            shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
         return tuple(shape), tuple(offset), tuple(param.shape)
     return tuple(param.shape), (0,) * param.dim(), tuple(param.shape)
 
