@@ -23,6 +23,9 @@ from .stochastic_round import global_index, key_of, local_box, random_bits, roun
 
 CHUNK = 2**22  # elements per piece: ~100 MB of fp32 and int64 temporaries
 MOMENTS = ("exp_avg", "exp_avg_sq")
+# What this optimizer is in torch AdamW's terms (its kernel flags name no torch kernel: None).
+TORCH_ADAMW_FLAGS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False,
+                         fused=None, decoupled_weight_decay=True)  # fmt: skip
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -36,8 +39,10 @@ class AdamWBF16(torch.optim.Optimizer):
     def __init__(self, named_params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
                  seed: int) -> None:  # fmt: skip
         named_params = list(named_params)
-        super().__init__([p for _, p in named_params], dict(lr=lr, betas=tuple(betas), eps=eps,
-                                                            weight_decay=weight_decay))  # fmt: skip
+        # torch AdamW's group keys too: a checkpoint of either loads into the other (DCP loads the
+        # keys of the live optimizer's groups and refuses a missing one).
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **TORCH_ADAMW_FLAGS)
+        super().__init__([p for _, p in named_params], defaults)
         self.names = {id(p): name for name, p in named_params}
         self.seed = seed
         self.host_steps: dict[int, int] = {}  # id(parameter) -> its step count
