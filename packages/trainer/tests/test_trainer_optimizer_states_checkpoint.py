@@ -82,3 +82,18 @@ def test_resume_under_the_other_state_dtype_converts_the_moments(straight, tmp_p
     expected, resumed = losses(straight[saved_with]), losses(tmp_path)
     assert sorted(resumed) == list(range(6, 11))
     assert all(abs(resumed[s] - expected[s]) < 1e-3 for s in resumed), (resumed, expected)
+
+
+@pytest.mark.timeout(420)
+def test_fsdp2_bf16_states_equal_one_rank_and_reshard_onto_it(straight, tmp_path):
+    """FSDP 2 with bf16 states trains as one rank does (the rounding of each shard is one rank's),
+    and its checkpoint, DTensor shards of bf16 moments, resumes on one rank."""
+    fsdp = tmp_path / "fsdp2"
+    run_cli(fsdp, *COMMON, *BF16, "--nproc-per-node", "2", "--training.local_batch_size", "1", timeout=300)
+    one, two = losses(straight["bf16"]), losses(fsdp)
+    assert all(abs(two[s] - one[s]) <= 1e-5 for s in one), (two, one)
+    result = resume_from_step5(fsdp, tmp_path / "resumed", *ONE, *BF16)
+    assert "resharded from 2 ranks" in result.stdout
+    resumed = losses(tmp_path / "resumed")
+    assert sorted(resumed) == list(range(6, 11))
+    assert all(abs(resumed[s] - two[s]) <= 1e-5 for s in resumed), (resumed, two)

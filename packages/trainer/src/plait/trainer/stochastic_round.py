@@ -53,6 +53,11 @@ def global_index(box, rows: slice, device: torch.device) -> torch.Tensor:
     strides = [1] * len(global_shape)
     for d in range(len(global_shape) - 2, -1, -1):
         strides[d] = strides[d + 1] * global_shape[d + 1]
+    if tuple(shape[1:]) == tuple(global_shape[1:]):  # whole rows (one process, FSDP, EP): one arange
+        first = (offset[0] + rows.start) * strides[0]
+        return torch.arange(first, first + (rows.stop - rows.start) * strides[0], dtype=dtype, device=device).view(
+            [-1, *shape[1:]]
+        )
     index = torch.zeros((), dtype=dtype, device=device)
     for d, (size, start, stride) in enumerate(zip(shape, offset, strides)):
         lo, hi = (rows.start, rows.stop) if d == 0 else (0, size)
