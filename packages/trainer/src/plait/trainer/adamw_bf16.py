@@ -8,7 +8,7 @@ are a hash of each element's place in the whole parameter (stochastic_round.py),
 rounds every element alike and FSDP / EP / TP runs equal one rank's.
 
 It works per parameter, on the local shard (DTensors of any mesh: FSDP's, the experts' efsdp /
-ep mesh, TP's), in pieces of at most CHUNK elements along dim 0: the fp32 copies of the moments
+ep mesh, TP's), in pieces of at most CHUNK elements along dim 0 (whole rows): the fp32 copies of the moments
 and the hash's integers are temporaries the size of one piece, not of the model (a foreach pass
 over all parameters would hold fp32 copies of every moment at once, 8 bytes per parameter on top,
 and the integer hash has no foreach ops).
@@ -21,7 +21,11 @@ from torch.distributed.tensor import DTensor
 
 from .stochastic_round import global_index, key_of, local_box, random_bits, round_to_bf16
 
-CHUNK = 2**22  # elements per piece: ~100 MB of fp32 and int64 temporaries
+# Elements per piece. On a CPU the ~40 passes over a piece run from cache when a piece's fp32
+# temporaries fit it (512 KB each: 3.5x faster than 16 MB pieces, measured on 4M elements); on a GPU
+# each pass is a kernel launch, so pieces are large (~100 MB of temporaries).
+CHUNK = {"cpu": 2**17}
+GPU_CHUNK = 2**22
 MOMENTS = ("exp_avg", "exp_avg_sq")
 # What this optimizer is in torch AdamW's terms (its kernel flags name no torch kernel: None).
 TORCH_ADAMW_FLAGS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False,
@@ -86,7 +90,8 @@ class AdamWBF16(torch.optim.Optimizer):
             tensors, box = [t.view(1) for t in tensors], ((1,), (0,), (1,))
         param, grad, exp_avg, exp_avg_sq = tensors
         rows = param.shape[0]
-        per_piece = max(1, CHUNK // max(1, param[0].numel())) if rows else 1
+        chunk = CHUNK.get(param.device.type, GPU_CHUNK)
+        per_piece = max(1, chunk // max(1, param[0].numel())) if rows else 1
         for start in range(0, rows, per_piece):
             piece = slice(start, min(rows, start + per_piece))
             p_, g_ = param[piece], grad[piece].float()
@@ -96,8 +101,8 @@ class AdamWBF16(torch.optim.Optimizer):
             denom = (v_fp32.sqrt() / bias_correction2_sqrt).add_(eps)
             p_.addcdiv_(m_fp32, denom, value=-step_size)
             bits_m, bits_v = random_bits(global_index(box, piece, param.device), key)
-            exp_avg[piece].copy_(round_to_bf16(m_fp32, bits_m))
-            exp_avg_sq[piece].copy_(round_to_bf16(v_fp32, bits_v))
+            round_to_bf16(m_fp32, bits_m, out=exp_avg[piece])
+            round_to_bf16(v_fp32, bits_v, out=exp_avg_sq[piece])
 
 
 def _after_load(optimizer: AdamWBF16) -> None:

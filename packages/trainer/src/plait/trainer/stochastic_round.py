@@ -73,16 +73,18 @@ def _signed32(value: int) -> int:
 
 def _shift_right(h: torch.Tensor, bits: int) -> torch.Tensor:
     """Logical right shift of int32 bit patterns (torch's >> is arithmetic: it copies the sign)."""
-    return (h >> bits) & ((1 << (32 - bits)) - 1)
+    return (h >> bits).bitwise_and_((1 << (32 - bits)) - 1)
 
 
 def _mix(h: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's fmix32 on int32 bit patterns: a full avalanche of 32 bits in 11 ops."""
-    h = h ^ _shift_right(h, 16)
-    h = h * FMIX_MULTIPLIERS[0]  # wraps mod 2**32
-    h = h ^ _shift_right(h, 13)
-    h = h * FMIX_MULTIPLIERS[1]
-    return h ^ _shift_right(h, 16)
+    """MurmurHash3's fmix32 on int32 bit patterns, in place on `h` (a temporary of the caller's):
+    a full avalanche of 32 bits."""
+    h ^= _shift_right(h, 16)
+    h *= FMIX_MULTIPLIERS[0]  # wraps mod 2**32
+    h ^= _shift_right(h, 13)
+    h *= FMIX_MULTIPLIERS[1]
+    h ^= _shift_right(h, 16)
+    return h
 
 
 def key_of(seed: int, step: int, name: str) -> int:
@@ -98,16 +100,20 @@ def random_bits(index: torch.Tensor, key: int) -> tuple[torch.Tensor, torch.Tens
         h = _mix(h ^ (index >> 32).to(torch.int32))
     else:
         h = _mix(index ^ key)
-    return h & 0xFFFF, _shift_right(h, 16)
+    low = h & 0xFFFF
+    return low, h.bitwise_right_shift_(16).bitwise_and_(0xFFFF)
 
 
-def round_to_bf16(x_fp32: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    """x rounded to bf16, up (away from zero) with probability (discarded 16 bits) / 2**16.
+def round_to_bf16(x_fp32: torch.Tensor, bits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x rounded to bf16, up (away from zero) with probability (discarded 16 bits) / 2**16; into
+    `out` (bf16, x's shape) when given.
 
     bf16 is fp32's top 16 bits: truncate, and add one unit in the last place when the random bits
     fall below the discarded ones. Unbiased: E[result] = x (for finite x below bf16's largest)."""
     as_int = x_fp32.view(torch.int32)
-    fraction = as_int & 0xFFFF
-    truncated = as_int >> 16  # arithmetic shift: the sign stays, |value| is rounded towards zero
-    rounded = truncated + (bits < fraction)
-    return rounded.to(torch.int16).view(torch.bfloat16)
+    up = bits < (as_int & 0xFFFF)
+    rounded = (as_int >> 16).add_(up)  # arithmetic shift: the sign stays, |value| rounds towards zero
+    if out is None:
+        return rounded.to(torch.int16).view(torch.bfloat16)
+    out.view(torch.int16).copy_(rounded)  # the low 16 bits: the bf16 pattern
+    return out
