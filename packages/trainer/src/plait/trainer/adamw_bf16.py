@@ -50,7 +50,9 @@ class AdamWBF16(torch.optim.Optimizer):
         self.names = {id(p): name for name, p in named_params}
         self.seed = seed
         self.host_steps: dict[int, int] = {}  # id(parameter) -> its step count
-        self.boxes: dict[int, tuple] = {}  # id(parameter) -> stochastic_round.local_box
+        # id(parameter) -> stochastic_round.local_box: fixed for the run, computed here, outside the
+        # step (torch computes a shard's offset from index tensors it reads back).
+        self.boxes = {id(p): local_box(p) for _, p in named_params}
         self.register_load_state_dict_post_hook(_after_load)
 
     @torch.no_grad()
@@ -81,8 +83,6 @@ class AdamWBF16(torch.optim.Optimizer):
         lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         step_size = lr / (1 - beta1**step)
         bias_correction2_sqrt = math.sqrt(1 - beta2**step)
-        if id(p) not in self.boxes:  # a parameter's place in the whole one is fixed for the run
-            self.boxes[id(p)] = local_box(p)
         box = self.boxes[id(p)]
         key = key_of(self.seed, step, self.names.get(id(p), ""))
         tensors = [_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
