@@ -119,8 +119,8 @@ def section(runs: dict, times: dict, figures: Path, steps: int, link_from: Path,
         "",
         "Debug models, 2 layers, seq 32, local batch 2, lr 1e-3, fp32 compute, the shipped corpus; "
         "`--optimizer.state_dtype fp32` (torch's fused AdamW) against `bf16` (plait's AdamW, bf16 moments "
-        "with layout-invariant stochastic rounding). int8 is refused (torchao's blocks follow each rank's "
-        "shard). Figures drawn by `plait-plot`'s `draw`.",
+        "with layout-invariant stochastic rounding). int8 is refused (which shards torchao keeps in 8 bits "
+        "follows the layout: below). Figures drawn by `plait-plot`'s `draw`.",
         "",
         f"| model | state dtype | mean loss, last {min(MEAN_OF_LAST, steps)} steps | final loss | "
         "max over steps of \\|Δloss\\| vs fp32 |",
