@@ -138,6 +138,9 @@ class Layout:
     # Point-to-point staged through host memory on CPU too (plait.mesh.host_staging): on CUDA over
     # gloo every send / recv is; here the same path runs a pipeline schedule and ring attention.
     staged: bool = False
+    # [optimizer] settings of the fp32 run and of its one-rank reference (route("float32") names
+    # them). The bf16 run keeps the defaults: its reference is an FSDP anchor with fp32 states.
+    optimizer: dict = field(default_factory=dict)
 
     def dims(self) -> ParallelDims:
         degrees = {k: v for k, v in self.parallelism.items() if k in {f.name for f in fields(ParallelDims)}}
@@ -158,8 +161,9 @@ class Layout:
         if dtype == "bfloat16":
             args += ["--training.steps", str(BF16_STEPS), "--metrics.log_freq", str(BF16_STEPS)]
         parallelism = {**self.parallelism, **({"layers_per_stage": self.layers[model]} if model in self.layers else {})}
+        optimizer = self.optimizer if dtype == "float32" else {}
         for section, values in (("parallelism", parallelism), ("training", self.training),
-                                ("model", self.model_args)):
+                                ("model", self.model_args), ("optimizer", optimizer)):
             for key, value in values.items():
                 args += [f"--{section}.{key}", str(value).lower() if isinstance(value, bool) else str(value)]
         return args
@@ -172,9 +176,11 @@ class Layout:
             del found["cpu_bf16"]
         return found
 
-    def route(self) -> str:
-        """`precision()` as text ("default": the matrix's ROUTE, nothing else)."""
-        return ", ".join(f"{k}={v}" for k, v in self.precision().items()) or "default"
+    def route(self, dtype: str = "bfloat16") -> str:
+        """`precision()` as text, and for an fp32 run its optimizer settings ("default": the
+        matrix's ROUTE and defaults, nothing else)."""
+        settings = {**self.precision(), **(self.optimizer if dtype == "float32" else {})}
+        return ", ".join(f"{k}={v}" for k, v in settings.items()) or "default"
 
     def bf16_kernels(self) -> bool:
         """Whether its bf16 products and attention run torch's bf16 kernels (the dtype check's entries)."""
@@ -216,6 +222,7 @@ DOCS = {"attention_mask": "document", "rope_positions": "document"}
 # Multi-token prediction (issue 43): one depth after the last block (an MoE block of its own, the
 # shared embedding and output head), its loss 0.1 x of the main one's weight.
 MTP = {"mtp_layers": 1}
+BF16_STATES = {"state_dtype": "bf16"}
 # fmt: off
 LAYOUTS = [
     # 2 ranks
@@ -231,12 +238,15 @@ LAYOUTS = [
     Layout("CP 2 ring, no load balancing", 2, {"cp": 2, **CP1, "cp_method": "ring", "cp_load_balance": False},
            staged=True),
     Layout("CP 2 Ulysses (all-to-all heads)", 2, {"cp": 2, **CP1, "cp_method": "ulysses"}),
-    Layout("FSDP 2, full AC, accumulation 2", 2, {},
-           {"activation_checkpoint": "full", "gradient_accumulation_steps": 2}),
+    # bf16 optimizer states (issue 54) in the fp32 runs of these two, against one rank with them:
+    # the stochastic rounding of FSDP's shards and of the experts' ep shards must be one rank's.
+    Layout("FSDP 2, full AC, accumulation 2 (fp32: bf16 optimizer states)", 2, {},
+           {"activation_checkpoint": "full", "gradient_accumulation_steps": 2}, optimizer=BF16_STATES),
     Layout("EP 2 dropless", 2, {"ep": 2}, models=DEEPSEEK),
     Layout("EP 2 capacity (factor 8: no drops)", 2, {"ep": 2, "expert_capacity_factor": 8}, models=DEEPSEEK),
-    Layout("EP 2, full AC, accumulation 2", 2, {"ep": 2},
-           {"activation_checkpoint": "full", "gradient_accumulation_steps": 2}, models=DEEPSEEK),
+    Layout("EP 2, full AC, accumulation 2 (fp32: bf16 optimizer states)", 2, {"ep": 2},
+           {"activation_checkpoint": "full", "gradient_accumulation_steps": 2}, models=DEEPSEEK,
+           optimizer=BF16_STATES),
     Layout("CP 2 ring x EP 2", 2, {"cp": 2, **CP1, "ep": 2, "cp_method": "ring"}, models=DEEPSEEK),
     Layout("TP 2 x EP 2 (etp 1) capacity, no SP", 2,
            {"tp": 2, "ep": 2, "sequence_parallel": False, "expert_capacity_factor": 8}, models=DEEPSEEK),
@@ -417,7 +427,7 @@ def _reference_key(layout: Layout, model: str, dtype: str) -> str:
     """The run an entry is compared with (see BF16 in the module docstring)."""
     if dtype == "bfloat16" and layout.policy() == "fsdp" and layout not in ANCHORS.values():
         return _key(_anchor(layout), model, dtype)
-    return _one_rank_key(model, dtype, layout.model_args, route=layout.route())
+    return _one_rank_key(model, dtype, layout.model_args, route=layout.route(dtype))
 
 
 def _one_rank_key(model: str, dtype: str, model_args: dict, name: str = "one rank", route: str = "default") -> str:
@@ -431,14 +441,14 @@ def _one_rank_jobs(entries: list[tuple]) -> list[tuple]:
     the bf16 noise floor (the same bf16 run with gradient accumulation 2)."""
     jobs, seen = [], set()
     for layout, model, dtype in entries:
-        route = layout.route()
+        route = layout.route(dtype)
         runs = [("one rank", {})] + ([(FLOOR, {"gradient_accumulation_steps": 2})] if dtype == "bfloat16" else [])
         for name, training in runs:
             key = _one_rank_key(model, dtype, layout.model_args, name, route)
             if key not in seen:
                 seen.add(key)
                 routed = {**training, **layout.precision()}
-                one = Layout(name, 1, training=routed, model_args=layout.model_args)
+                one = Layout(name, 1, training=routed, model_args=layout.model_args, optimizer=layout.optimizer)
                 reference = _one_rank_key(model, dtype, layout.model_args, route=route) if name == FLOOR else None
                 jobs.append((key, model, one.argv(model, dtype), dtype, reference))
     return jobs

@@ -67,6 +67,19 @@ def test_table_json_and_fit(tmp_path, capsys):
     assert "DOES NOT FIT" in capsys.readouterr().out
 
 
+def test_bf16_optimizer_states_are_counted_as_traced(tmp_path, capsys):
+    """optimizer.state_dtype = bf16: the traced optimizer's moments are bf16 (4 bytes per parameter
+    element, as many as the fp32 weights), and the analytic model state is 12 bytes per element."""
+    out = tmp_path / "plan.json"
+    flags = ["--job.dump_folder", str(tmp_path), *SMALL, "--parallelism.dp_shard", "2", "--plan.world_size", "2"]
+    assert plan_cli.main([*flags, "--optimizer.state_dtype", "bf16", "--plan.json", str(out)]) == 0
+    capsys.readouterr()
+    report = json.loads(out.read_text())
+    memory = report["memory"]
+    assert memory["optimizer"] == memory["parameters"] > 0
+    assert report["analytic_estimate"]["model state"] == pytest.approx(3 * memory["parameters"], rel=1e-3)
+
+
 def _search(tmp_path, monkeypatch, extra=()):
     """--plan.search over data-parallel layouts only (this session has no tp / cp / pp packages; the
     search would count those as invalid anyway) of the debug model at 2 ranks."""

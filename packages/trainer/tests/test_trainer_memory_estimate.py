@@ -141,3 +141,11 @@ def test_pipeline_parallel_counts_its_stages_and_the_micro_batches_in_flight():
     # (the planner counts the same from torch's order: tests/test_combo_trainer_plan_pp.py).
     assert memory_estimate.pp_in_flight("Interleaved1F1B", 8, 2, 16) == 23
     assert memory_estimate.pp_in_flight("1F1B", 4, 1, 16, pp_rank=1) == 3
+
+
+def test_bf16_optimizer_states_count_12_bytes_per_parameter():
+    """optimizer.state_dtype = bf16: weight 4 + gradient 4 + two bf16 moments 4 = 12 of fp32's 16."""
+    fp32 = _estimate()
+    bf16 = _estimate([("optimizer.state_dtype", "bf16")])
+    assert bf16.states * 16 == pytest.approx(fp32.states * 12, rel=1e-9)
+    assert bf16.activations == fp32.activations and bf16.logits == fp32.logits

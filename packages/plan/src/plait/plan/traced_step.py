@@ -209,6 +209,6 @@ def build_traced_trainer(config, plan, meshes, device, shims):
     for dispatcher in (pm.dispatchers or {}).values():
         if hasattr(dispatcher, "ep"):
             shims.balance(dispatcher)
-    optimizer = build_optimizer(pm.inner, config.optimizer, device)
+    optimizer = build_optimizer(pm.inner, config.optimizer, device, config.job.seed)
     scheduler = build_lr_scheduler(optimizer, config.training.steps, config.lr_scheduler)
     return trainer_for_step(config, plan, meshes, pm, optimizer, scheduler, device)

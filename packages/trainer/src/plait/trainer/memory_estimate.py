@@ -4,8 +4,8 @@ Analytic and approximate (plait-plan traces the real step; this is the start-up 
 milliseconds and without a trace): it reads the meta model's parameter shapes and
 `parallel_info()`, never a flavor table. Per rank it counts
 
-- model state: fp32 master weights + fp32 gradients + AdamW's two fp32 moments = 16 bytes per
-  parameter element this rank holds. Non-expert weights are split by tp where the TP plan shards
+- model state: fp32 master weights + fp32 gradients + AdamW's two moments = 16 bytes per
+  parameter element this rank holds (12 with optimizer.state_dtype = bf16: bf16 moments). Non-expert weights are split by tp where the TP plan shards
   them and by FSDP over dp_shard x cp; routed experts over ep x etp x efsdp = dp_shard x cp x tp.
 - FSDP's unsharded units: the two largest units (the one computing and the one prefetched) in the
   compute dtype, once FSDP shards (dp_shard x cp > 1).
@@ -38,8 +38,9 @@ from torch import nn
 
 from plait.mesh import ParallelDims
 
+from .optimizer import MOMENT_BYTES
+
 GIB = 2**30
-STATE_BYTES = 4 + 4 + 8  # fp32 master weight, fp32 gradient, AdamW exp_avg + exp_avg_sq
 # TP plan styles that shard a weight over tp ranks (the rest replicate it).
 TP_SHARDED = {"colwise", "rowwise", "rowwise_partial", "embedding_rowwise", "output_colwise", "experts_tp"}
 
@@ -60,6 +61,12 @@ class MemoryEstimate:
     def parts(self) -> dict:
         return {"model state": self.states, "FSDP unsharded units": self.gathered,
                 "activations": self.activations, "logits": self.logits}
+
+
+def state_bytes(config) -> int:
+    """Model state per parameter element: fp32 master weight, fp32 gradient, AdamW's exp_avg and
+    exp_avg_sq in optimizer.state_dtype."""
+    return 4 + 4 + MOMENT_BYTES[config.optimizer.state_dtype]
 
 
 def _tp_style(name: str, tp_plan: dict) -> str | None:
@@ -191,7 +198,7 @@ def _estimate(config, dims: ParallelDims, model: nn.Module, info: dict, held_pat
     t = config.training
     act_bytes = 2 if t.dtype == "bfloat16" else 4
     held, tp_split = _param_elements(model, info, dims, held_paths)
-    states = held * STATE_BYTES
+    states = held * state_bytes(config)
     if held_paths is None:
         gathered = _largest_units(model, info, tp_split) * act_bytes if dims.fsdp_enabled else 0.0
         tokens = t.local_batch_size * t.seq_len / dims.cp

@@ -231,6 +231,12 @@ class OptimizerConfig:
     implementation: Literal["auto", "fused", "foreach"] = "auto"
     """Kernel: fused (one kernel for all parameters), foreach (multi-tensor), or auto (fused
     where the device supports it, else foreach)."""
+    state_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
+    """AdamW's two moments: fp32 (torch's AdamW, 16 bytes of model state per parameter with the
+    fp32 weight and gradient), bf16 (12 bytes: plait's AdamW with bf16 moments, fp32 arithmetic and
+    stochastic rounding whose random bits depend on each element's place in its parameter, so
+    every layout equals one rank; `implementation` does not apply), or int8 (refused: see
+    optimizer.py). A checkpoint resumes under another of fp32 / bf16 (the moments are converted)."""
 
 
 @dataclass

@@ -79,7 +79,7 @@ class Trainer:
         self.meshes = build_meshes(self.plan.dims, self.device.type)
         self.pm = parallelize(config, self.plan, self.meshes, self.device)
         self.model = self.pm.model
-        self.optimizer = build_optimizer(self.pm.inner, config.optimizer, self.device)
+        self.optimizer = build_optimizer(self.pm.inner, config.optimizer, self.device, config.job.seed)
         self.scheduler = build_lr_scheduler(self.optimizer, config.training.steps, config.lr_scheduler)
         self.loader = build_loader(
             config, self.plan, self.meshes, config.data.dataset, "train", config.training.gradient_accumulation_steps,

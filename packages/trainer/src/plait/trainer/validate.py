@@ -23,6 +23,7 @@ from .float8_experts import check_float8_experts
 from .machine_checks import check_comm, check_memory_fits
 from .model_args import model_spec, resolve_model_args
 from .mtp import check_mtp_seq_len, check_mtp_stages
+from .optimizer import check_state_dtype
 from .parallel_settings import cp_config, ep_config, optional_parallel_module, pipeline_microbatches, tp_config
 from .size_bound import check_size_bound
 from .wandb_logger import check_wandb
@@ -251,6 +252,7 @@ def validate(config: Config, world_size: int | None = None, check_memory: bool =
     world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
     _check_positive(config)
     check_float8(config)
+    check_state_dtype(config.optimizer)
     dims = _parallel_dims(config, world_size)
     # Optional parallel packages, before anything is built with them.
     parallel_modules = {

@@ -16,6 +16,8 @@ from plait.checkpoint.store import CheckpointError
 from ..log import log
 from . import train_state
 
+KERNEL_FLAGS = ("foreach", "fused", "capturable")
+
 
 class Resume:
     """CheckpointManager's resume half (manager.py holds the state it reads)."""
@@ -164,6 +166,10 @@ class Resume:
         sd = state.full_state(self.model, self.optimizer)
         sd[state.TRAIN_STATE] = ""
         self._dcp_load(sd, path)
+        # This run's kernel (fused / foreach: optimizer.implementation, state_dtype) over the saved
+        # one's, before torch places the loaded step counts by it (fused: on the parameters' device).
+        for saved, live in zip(sd[state.OPTIMIZER]["param_groups"], self.optimizer.param_groups):
+            saved.update({k: live[k] for k in KERNEL_FLAGS if k in live})
         state.load_full(self.model, self.optimizer, sd)
         step, saved_settings = train_state.load_train_state(sd[state.TRAIN_STATE], self.scheduler, self.loader)
         changes = train_state.apply_configured_schedule(self.optimizer, self.scheduler, self.config, saved_settings)
@@ -174,6 +180,7 @@ class Resume:
             f"resuming from {path} (step {step}, {how}{', RNG restored' if rng else ''}) "
             f"in {time.perf_counter() - t0:.1f} s"
         )
+        self._note_state_dtype(meta)
         if changes:
             self._log(
                 f"this run's settings replace the checkpoint's: {', '.join(changes)}; the schedule continues at "
@@ -181,6 +188,16 @@ class Resume:
             )
         self.writer.last_good = self.resumed_from = (step, path)
         return step
+
+    def _note_state_dtype(self, meta: dict) -> None:
+        """AdamW's moments saved in another optimizer.state_dtype (fp32 / bf16) were converted on
+        loading: DCP copies the saved values into this run's state tensors (fp32 -> bf16 rounds to
+        nearest, once; bf16 -> fp32 is exact). Checkpoints from before the record hold fp32."""
+        saved, ours = meta.get("optimizer_state_dtype", "fp32"), self.config.optimizer.state_dtype
+        if saved != ours:
+            how = "rounded to nearest once" if ours == "bf16" else "exactly"
+            self._log(f"AdamW's moments were saved in {saved} and are converted to {ours} ({how}): "
+                      f"optimizer.state_dtype = {ours} replaces the checkpoint's {saved}")  # fmt: skip
 
     def _load_rng(self, path: Path, meta: dict, step: int) -> bool:
         """Restore this rank's RNG states; when any rank's RNG file is damaged, every rank is

@@ -42,6 +42,7 @@ class Save:
             "flavor": c.model.flavor,
             "model_args": self.model_args,  # the flavor after this run's [model] overrides
             "dtype": c.training.dtype,
+            "optimizer_state_dtype": c.optimizer.state_dtype,  # a resume under another converts them
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "format": 1,
         }
