@@ -23,6 +23,7 @@ from .config import Config, ConfigError
 from .float8 import convert_to_float8, describe
 from .float8_experts import convert_experts_to_float8
 from .fsdp_tp import fsdp_post_forward_first
+from .loss_head import take_labels
 from .log import log
 from .validate import RunPlan, cp_config, ep_config, tp_config
 
@@ -173,6 +174,8 @@ def _parallelize_part(config: Config, plan: RunPlan, meshes: Meshes, device: tor
 
     module, info, dims = part.module, plan.info, meshes.dims
     loss_parallel, cp_layout, dispatchers = False, None, None
+    if config.training.loss == "chunked":
+        take_labels(module)  # the model call's labels, to its loss head (loss_head.py)
     if dims.tp > 1:
         tp = plan.parallel_modules["tp"]
         tp_cfg = tp_config(tp, config)
