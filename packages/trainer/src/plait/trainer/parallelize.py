@@ -23,8 +23,8 @@ from .config import Config, ConfigError
 from .float8 import convert_to_float8, describe
 from .float8_experts import convert_experts_to_float8
 from .fsdp_tp import fsdp_post_forward_first
-from .loss_head import take_labels
 from .log import log
+from .loss_head import take_labels
 from .validate import RunPlan, cp_config, ep_config, tp_config
 
 
