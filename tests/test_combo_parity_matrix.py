@@ -121,6 +121,13 @@ FLOAT8_ROWWISE = {"float8": "rowwise", "float8_filter": "divisible"}
 # The routed experts' grouped GEMMs in MXFP8 as well (torchao's emulation on the CPU; groups of 32 rows).
 FLOAT8_EXPERTS = {**FLOAT8, "float8_experts": "mxfp8"}
 FLOOR = "one rank, accumulation 2"
+# The output layer fused with its cross-entropy over chunks of tokens (issue 54; chunk 48 tokens: a
+# micro-batch's rows split into several chunks and a remainder). An entry with it is compared with
+# the references of the unfused loss (training.loss = full, the default), so each such entry is
+# chunked against unchunked: FSDP 2 (accumulation, full AC), TP 2 + SP (vocab-parallel chunks), PP 2
+# (the last stage's head), CP 2 with MTP 1 (one head call over the row and its depth), documents,
+# float8 (the head stays bf16). One rank: packages/trainer/tests/test_trainer_chunked_loss_step.py.
+CHUNKED = {"loss": "chunked", "loss_chunk_tokens": 48}
 
 
 @dataclass(frozen=True)
@@ -223,7 +230,7 @@ LAYOUTS = [
     Layout("replicate 2 (FSDP-based)", 2, {"dp_replicate": 2, "dp_shard": 1}),
     Layout("DDP 2", 2, {"dp_replicate": 2, "dp_shard": 1, "replicate_impl": "ddp"}, bf16=False),
     Layout("TP 2", 2, {"tp": 2, "sequence_parallel": False, "loss_parallel": False}),
-    Layout("TP 2 + SP + loss parallel", 2, {"tp": 2}),
+    Layout("TP 2 + SP + loss parallel, chunked loss", 2, {"tp": 2}, CHUNKED),
     # The sequence-wise balance loss's gradient must arrive once, not once per TP rank.
     Layout("TP 2 + SP, sequence-wise aux loss", 2, {"tp": 2}, models=DEEPSEEK, model_args={"aux_loss_coeff": 0.01}),
     Layout("CP 2 all-gather", 2, {"cp": 2, **CP1, "cp_method": "allgather"}),
@@ -231,8 +238,8 @@ LAYOUTS = [
     Layout("CP 2 ring, no load balancing", 2, {"cp": 2, **CP1, "cp_method": "ring", "cp_load_balance": False},
            staged=True),
     Layout("CP 2 Ulysses (all-to-all heads)", 2, {"cp": 2, **CP1, "cp_method": "ulysses"}),
-    Layout("FSDP 2, full AC, accumulation 2", 2, {},
-           {"activation_checkpoint": "full", "gradient_accumulation_steps": 2}),
+    Layout("FSDP 2, full AC, accumulation 2, chunked loss", 2, {},
+           {"activation_checkpoint": "full", "gradient_accumulation_steps": 2, **CHUNKED}),
     Layout("EP 2 dropless", 2, {"ep": 2}, models=DEEPSEEK),
     Layout("EP 2 capacity (factor 8: no drops)", 2, {"ep": 2, "expert_capacity_factor": 8}, models=DEEPSEEK),
     Layout("EP 2, full AC, accumulation 2", 2, {"ep": 2},
@@ -243,11 +250,12 @@ LAYOUTS = [
     Layout("FSDP 2, document mask", 2, model_args=DOCS),
     Layout("CP 2 all-gather, document mask, 2 load-balance rounds", 2,
            {"cp": 2, **CP1, "cp_method": "allgather", "cp_load_balance_rounds": 2}, model_args=DOCS),
-    Layout("CP 2 ring, document mask", 2, {"cp": 2, **CP1, "cp_method": "ring"}, model_args=DOCS),
+    Layout("CP 2 ring, document mask, chunked loss", 2, {"cp": 2, **CP1, "cp_method": "ring"}, CHUNKED,
+           model_args=DOCS),
     Layout("CP 2 Ulysses, document mask", 2, {"cp": 2, **CP1, "cp_method": "ulysses"}, model_args=DOCS),
     Layout("CP 2 ring x EP 2, document mask", 2, {"cp": 2, **CP1, "ep": 2, "cp_method": "ring"},
            models=DEEPSEEK, model_args=DOCS),
-    Layout("PP 2 1F1B", 2, {**PP2, "pipeline_schedule": "1F1B"}, layers=PP2_LAYERS),
+    Layout("PP 2 1F1B, chunked loss", 2, {**PP2, "pipeline_schedule": "1F1B"}, CHUNKED, layers=PP2_LAYERS),
     # bf16 once per kind of schedule (1F1B, ZBV) and per composition, to keep the suite's time:
     # GPipe / Interleaved1F1B differ from 1F1B only in the order of the same micro-batch steps.
     Layout("PP 2 GPipe", 2, {**PP2, "pipeline_schedule": "GPipe"}, layers=PP2_LAYERS, bf16=False),
@@ -276,7 +284,8 @@ LAYOUTS = [
            training={**FLOAT8_ROWWISE, "activation_checkpoint": "selective", "gradient_accumulation_steps": 2},
            fp32=False),
     Layout("TP 2 + SP + loss parallel, float8 tensorwise", 2, {"tp": 2}, FLOAT8, fp32=False),
-    Layout("CP 2 ring, float8 tensorwise", 2, {"cp": 2, **CP1, "cp_method": "ring"}, FLOAT8, fp32=False),
+    Layout("CP 2 ring, float8 tensorwise, chunked loss", 2, {"cp": 2, **CP1, "cp_method": "ring"},
+           {**FLOAT8, **CHUNKED}, fp32=False),
     Layout("PP 2 1F1B, float8 tensorwise", 2, {**PP2, "pipeline_schedule": "1F1B"}, FLOAT8, layers=PP2_LAYERS,
            fp32=False),
     Layout("FSDP 2, float8 tensorwise, MXFP8 experts", 2, training=FLOAT8_EXPERTS, models=DEEPSEEK, fp32=False),
@@ -290,7 +299,8 @@ LAYOUTS = [
     Layout("TP 2 + SP + loss parallel, MTP 2, full AC, accumulation 2", 2, {"tp": 2},
            {"activation_checkpoint": "full", "gradient_accumulation_steps": 2}, models=DEEPSEEK,
            model_args={"mtp_layers": 2}, bf16=False),
-    Layout("CP 2 all-gather, MTP 1", 2, {"cp": 2, **CP1, "cp_method": "allgather"}, models=DEEPSEEK, model_args=MTP),
+    Layout("CP 2 all-gather, MTP 1, chunked loss", 2, {"cp": 2, **CP1, "cp_method": "allgather"}, CHUNKED,
+           models=DEEPSEEK, model_args=MTP),
     Layout("CP 2 ring, MTP 1", 2, {"cp": 2, **CP1, "cp_method": "ring"}, models=DEEPSEEK, model_args=MTP),
     Layout("CP 2 Ulysses, MTP 1", 2, {"cp": 2, **CP1, "cp_method": "ulysses"}, models=DEEPSEEK, model_args=MTP),
     Layout("EP 2 dropless, MTP 1", 2, {"ep": 2}, models=DEEPSEEK, model_args=MTP),
@@ -364,11 +374,11 @@ LAYOUTS = [
 # over gloo (comm.backend gloo), each against one rank on the same GPU, with the CPU matrix's
 # entries, dtypes and tolerances (these are its layouts by name, not copies).
 CUDA_SUBSET = (
-    "FSDP 2", "HSDP 2x2", "TP 2 + SP + loss parallel",
-    "CP 2 all-gather, document mask, 2 load-balance rounds", "CP 2 ring, document mask",
+    "FSDP 2", "HSDP 2x2", "TP 2 + SP + loss parallel, chunked loss",
+    "CP 2 all-gather, document mask, 2 load-balance rounds", "CP 2 ring, document mask, chunked loss",
     "CP 2 Ulysses, document mask",
     "EP 2 dropless", "EP 2 capacity (factor 8: no drops)", "FSDP 4 x EP 2 (expert FSDP 2), selective AC",
-    "PP 2 1F1B", "PP 2 Interleaved1F1B (2 stages per rank)", "FSDP 2 x TP 2, float8 tensorwise (float8 all-gather)",
+    "PP 2 1F1B, chunked loss", "PP 2 Interleaved1F1B (2 stages per rank)", "FSDP 2 x TP 2, float8 tensorwise (float8 all-gather)",
     "FSDP 2, float8 rowwise, selective AC, accumulation 2", "PP 2 1F1B, MTP 1",
 )
 # fmt: on
