@@ -94,3 +94,14 @@ def test_config_checks(tmp_path):
         _trainer(tmp_path / "neg", loss="chunked", loss_chunk_tokens=-1)
     with pytest.raises(ConfigError, match="training.loss"):
         build_config({"training": {"loss": "fused"}})
+
+
+@pytest.mark.timeout(600)
+def test_compiled_chunked_matches_full(tmp_path):
+    """training.compile: the head's chunked loss is compiled whole (fullgraph: a graph break raises)."""
+    from plait.trainer.chunked_loss import chunked_linear_cross_entropy
+
+    full = _trainer(tmp_path / "full", compile=True)
+    chunked = _trainer(tmp_path / "chunked", loss="chunked", compile=True)
+    assert chunked.pm.inner.output.loss is not chunked_linear_cross_entropy  # the compiled one
+    _compare(full, chunked, _batch(), loss_tol=1e-5, grad_rtol=1e-4)

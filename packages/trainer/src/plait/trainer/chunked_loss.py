@@ -57,10 +57,12 @@ def _across_shards(lse_C: torch.Tensor, target_C: torch.Tensor, group) -> tuple[
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_TD, weight_VD, labels_T, chunk_tokens, fp32_kernels, group, vocab_start):
-        T = h_TD.shape[0]
+    def forward(ctx, h_TD, weight_VD, labels_X, chunk_tokens, fp32_kernels, group, vocab_start):
+        T, labels_T = h_TD.shape[0], labels_X.flatten()
         lse_T = h_TD.new_empty(T, dtype=torch.float32)
-        loss_T = h_TD.new_empty(T, dtype=torch.float32)
+        # Shaped like the labels and returned as is (not a view: FSDP's hooks warn of views).
+        loss_X = h_TD.new_empty(labels_X.shape, dtype=torch.float32)
+        loss_T = loss_X.view(T)
         weight_DV = weight_VD.t()
         for start in range(0, T, chunk_tokens):
             rows = slice(start, min(start + chunk_tokens, T))
@@ -73,11 +75,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             loss_T[rows] = torch.where(labels_T[rows] != IGNORE_INDEX, lse_C - target_C, 0.0)
         ctx.save_for_backward(h_TD, weight_VD, labels_T, lse_T)
         ctx.chunk_tokens, ctx.fp32_kernels, ctx.vocab_start = chunk_tokens, fp32_kernels, vocab_start
-        return loss_T
+        return loss_X
 
     @staticmethod
-    def backward(ctx, grad_loss_T):
+    def backward(ctx, grad_loss_X):
         h_TD, weight_VD, labels_T, lse_T = ctx.saved_tensors
+        grad_loss_T = grad_loss_X.reshape(-1)
         T, V = h_TD.shape[0], weight_VD.shape[0]
         grad_h_TD = torch.empty_like(h_TD) if ctx.needs_input_grad[0] else None
         grad_weight_VD = torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device)
@@ -120,7 +123,5 @@ def chunked_linear_cross_entropy(
     # Autocast's casts, made here so the function's own products run in one dtype both ways.
     h_TD, weight_VD = h_XD.to(dtype).flatten(0, -2), weight_VD.to(dtype)
     with torch.autocast(h_XD.device.type, enabled=False):
-        loss_T = _ChunkedLinearCrossEntropy.apply(
-            h_TD, weight_VD, labels_X.flatten(), chunk_tokens, fp32_kernels, group, vocab_start
-        )
-    return loss_T.view(labels_X.shape)
+        return _ChunkedLinearCrossEntropy.apply(h_TD, weight_VD, labels_X, chunk_tokens, fp32_kernels, group,
+                                                vocab_start)  # fmt: skip

@@ -45,7 +45,7 @@ class LossHead(nn.Module):
     token's loss [...] (fp32; 0 where the label is ignored). `weight` [V, D] is the swapped
     linear's own parameter."""
 
-    def __init__(self, linear: nn.Linear, chunk_tokens: int, compile_loss: bool = False):
+    def __init__(self, linear: nn.Linear, chunk_tokens: int):
         super().__init__()
         if linear.bias is not None:
             raise ConfigError("training.loss = chunked: the output layer has a bias, which LossHead does not take; "
@@ -53,9 +53,7 @@ class LossHead(nn.Module):
         self.weight = linear.weight
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.chunk_tokens = chunk_tokens
-        # Under training.compile the loss is compiled (one graph, no break), as the unfused one is.
-        self.loss = torch.compile(chunked_linear_cross_entropy, fullgraph=True) if compile_loss \
-            else chunked_linear_cross_entropy
+        self.loss = chunked_linear_cross_entropy  # compile_loss() under training.compile
         self.labels: torch.Tensor | None = None  # the current call's, set by the pre-hook
 
     def forward(self, h_XD: torch.Tensor) -> torch.Tensor:
@@ -71,6 +69,11 @@ class LossHead(nn.Module):
                                                 mesh.get_local_rank() * local.shape[0])  # fmt: skip
         return self.loss(h_XD, weight, labels, self.chunk_tokens)
 
+    def compile_loss(self) -> None:
+        """training.compile: the chunked loss as one compiled graph (no break), as the unfused loss
+        is compiled; single-device only (the vocab-parallel form calls its collective eagerly)."""
+        self.loss = torch.compile(chunked_linear_cross_entropy, fullgraph=True)
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, chunk_tokens={self.chunk_tokens}"
 
@@ -85,8 +88,7 @@ def use_loss_head(model: nn.Module, info: dict, config) -> None:
     if not isinstance(output, nn.Linear):
         raise ConfigError(f"training.loss = chunked fuses the model's `output` linear with the loss; "
                           f"{config.model.name} has none: set training.loss = full.")
-    compile_loss = t.compile and config.parallelism.tp == 1
-    model.output = LossHead(output, chunk_tokens_for(t.loss_chunk_tokens, output.out_features), compile_loss)
+    model.output = LossHead(output, chunk_tokens_for(t.loss_chunk_tokens, output.out_features))
     if "output" in info.get("tp_plan", {}):
         info["tp_plan"] = {**info["tp_plan"], "output": "loss_head"}
 
