@@ -50,8 +50,10 @@ def _shard_statistics(logits_CV: torch.Tensor, labels_C: torch.Tensor, vocab_sta
 def _across_shards(lse_C: torch.Tensor, target_C: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
     """The global log-sum-exp and target logit from every rank's shard (one all-gather)."""
     pair_2C = torch.stack([lse_C, target_C])
-    gathered_R2C = pair_2C.new_empty((dist.get_world_size(group), *pair_2C.shape))
-    dist.all_gather_into_tensor(gathered_R2C, pair_2C, group=group)
+    ranks = dist.get_world_size(group)
+    gathered = pair_2C.new_empty((ranks * 2, pair_2C.shape[1]))  # concatenated on dim 0 (gloo's shape)
+    dist.all_gather_single(gathered, pair_2C, group=group)
+    gathered_R2C = gathered.view(ranks, 2, -1)
     return torch.logsumexp(gathered_R2C[:, 0], dim=0), gathered_R2C[:, 1].sum(0)
 
 
