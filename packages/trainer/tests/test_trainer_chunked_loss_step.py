@@ -13,9 +13,10 @@ from plait.trainer.train import Trainer
 SEQ = 32
 
 
-def _trainer(dump, model="llama3", loss="full", dtype="float32", model_args=None, **training):
+def _trainer(dump, model="llama3", loss="full", dtype="float32", model_args=None, data=None, **training):
     overrides = {
         "job": {"dump_folder": str(dump)},
+        "data": data or {},
         "model": {"n_layers": 2, **(model_args or {})},
         "training": {"steps": 1, "seq_len": SEQ, "local_batch_size": 4, "dtype": dtype, "deterministic": True,
                      "loss": loss, "loss_chunk_tokens": 24, **training},  # fmt: skip
@@ -87,6 +88,14 @@ def test_validation_loss_is_the_same(tmp_path):
         got = chunked.runner.loss_fn(out, labels)
     assert out.shape == labels.shape  # per-token losses, not logits
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-6)
+
+
+def test_validation_loop_is_the_same(tmp_path):
+    """Trainer.validate_loss over the built-in validation split: the head takes each batch's labels."""
+    data = {"val_dataset": "builtin", "val_steps": 2}
+    full = _trainer(tmp_path / "full", data=data)
+    chunked = _trainer(tmp_path / "chunked", loss="chunked", data=data)
+    assert chunked.validate_loss() == pytest.approx(full.validate_loss(), abs=1e-5)
 
 
 def test_config_checks(tmp_path):
