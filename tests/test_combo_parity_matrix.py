@@ -121,6 +121,18 @@ FLOAT8_ROWWISE = {"float8": "rowwise", "float8_filter": "divisible"}
 # The routed experts' grouped GEMMs in MXFP8 as well (torchao's emulation on the CPU; groups of 32 rows).
 FLOAT8_EXPERTS = {**FLOAT8, "float8_experts": "mxfp8"}
 FLOOR = "one rank, accumulation 2"
+# The output layer fused with its cross-entropy over chunks of tokens (issue 54; chunk 48 tokens: a
+# micro-batch's rows split into several chunks and a remainder). An entry with it is compared with
+# the references of the unfused loss (training.loss = full, the default), so each such entry is
+# chunked against unchunked: FSDP 2 (accumulation, full AC), TP 2 + SP (vocab-parallel chunks), PP 2
+# (the last stage's head), MTP (one head call over the row and its depths: PP 2 with one depth, TP 2
+# with two), documents, float8 (the head stays bf16). One rank:
+# packages/trainer/tests/test_trainer_chunked_loss_step.py. (Measured 2026-11-29 on "CP 2 all-gather,
+# MTP 1": the fp32 step-4 gradient of one routed expert's w1 moved 2.3e-3 from the reference while
+# step 1's gradients were within 5.1e-7, every loss within 1e-6 and the per-layer expert loads equal:
+# a 1e-7 difference grown by three optimizer steps in one expert, over the 1e-4 bound; that entry
+# keeps the unfused loss.)
+CHUNKED = {"loss": "chunked", "loss_chunk_tokens": 48}
 
 
 @dataclass(frozen=True)
@@ -230,7 +242,7 @@ LAYOUTS = [
     Layout("replicate 2 (FSDP-based)", 2, {"dp_replicate": 2, "dp_shard": 1}),
     Layout("DDP 2", 2, {"dp_replicate": 2, "dp_shard": 1, "replicate_impl": "ddp"}, bf16=False),
     Layout("TP 2", 2, {"tp": 2, "sequence_parallel": False, "loss_parallel": False}),
-    Layout("TP 2 + SP + loss parallel", 2, {"tp": 2}),
+    Layout("TP 2 + SP + loss parallel, chunked loss", 2, {"tp": 2}, CHUNKED),
     # The sequence-wise balance loss's gradient must arrive once, not once per TP rank.
     Layout("TP 2 + SP, sequence-wise aux loss", 2, {"tp": 2}, models=DEEPSEEK, model_args={"aux_loss_coeff": 0.01}),
     Layout("CP 2 all-gather", 2, {"cp": 2, **CP1, "cp_method": "allgather"}),
@@ -240,8 +252,9 @@ LAYOUTS = [
     Layout("CP 2 Ulysses (all-to-all heads)", 2, {"cp": 2, **CP1, "cp_method": "ulysses"}),
     # bf16 optimizer states (issue 54) in the fp32 runs of these two, against one rank with them:
     # the stochastic rounding of FSDP's shards and of the experts' ep shards must be one rank's.
-    Layout("FSDP 2, full AC, accumulation 2 (fp32: bf16 optimizer states)", 2, {},
-           {"activation_checkpoint": "full", "gradient_accumulation_steps": 2}, optimizer=BF16_STATES),
+    # The FSDP one trains with the chunked loss (issue 54) too, its reference with the unfused one.
+    Layout("FSDP 2, full AC, accumulation 2, chunked loss (fp32: bf16 optimizer states)", 2, {},
+           {"activation_checkpoint": "full", "gradient_accumulation_steps": 2, **CHUNKED}, optimizer=BF16_STATES),
     Layout("EP 2 dropless", 2, {"ep": 2}, models=DEEPSEEK),
     Layout("EP 2 capacity (factor 8: no drops)", 2, {"ep": 2, "expert_capacity_factor": 8}, models=DEEPSEEK),
     Layout("EP 2, full AC, accumulation 2 (fp32: bf16 optimizer states)", 2, {"ep": 2},
@@ -253,11 +266,12 @@ LAYOUTS = [
     Layout("FSDP 2, document mask", 2, model_args=DOCS),
     Layout("CP 2 all-gather, document mask, 2 load-balance rounds", 2,
            {"cp": 2, **CP1, "cp_method": "allgather", "cp_load_balance_rounds": 2}, model_args=DOCS),
-    Layout("CP 2 ring, document mask", 2, {"cp": 2, **CP1, "cp_method": "ring"}, model_args=DOCS),
+    Layout("CP 2 ring, document mask, chunked loss", 2, {"cp": 2, **CP1, "cp_method": "ring"}, CHUNKED,
+           model_args=DOCS),
     Layout("CP 2 Ulysses, document mask", 2, {"cp": 2, **CP1, "cp_method": "ulysses"}, model_args=DOCS),
     Layout("CP 2 ring x EP 2, document mask", 2, {"cp": 2, **CP1, "ep": 2, "cp_method": "ring"},
            models=DEEPSEEK, model_args=DOCS),
-    Layout("PP 2 1F1B", 2, {**PP2, "pipeline_schedule": "1F1B"}, layers=PP2_LAYERS),
+    Layout("PP 2 1F1B, chunked loss", 2, {**PP2, "pipeline_schedule": "1F1B"}, CHUNKED, layers=PP2_LAYERS),
     # bf16 once per kind of schedule (1F1B, ZBV) and per composition, to keep the suite's time:
     # GPipe / Interleaved1F1B differ from 1F1B only in the order of the same micro-batch steps.
     Layout("PP 2 GPipe", 2, {**PP2, "pipeline_schedule": "GPipe"}, layers=PP2_LAYERS, bf16=False),
@@ -286,7 +300,8 @@ LAYOUTS = [
            training={**FLOAT8_ROWWISE, "activation_checkpoint": "selective", "gradient_accumulation_steps": 2},
            fp32=False),
     Layout("TP 2 + SP + loss parallel, float8 tensorwise", 2, {"tp": 2}, FLOAT8, fp32=False),
-    Layout("CP 2 ring, float8 tensorwise", 2, {"cp": 2, **CP1, "cp_method": "ring"}, FLOAT8, fp32=False),
+    Layout("CP 2 ring, float8 tensorwise, chunked loss", 2, {"cp": 2, **CP1, "cp_method": "ring"},
+           {**FLOAT8, **CHUNKED}, fp32=False),
     Layout("PP 2 1F1B, float8 tensorwise", 2, {**PP2, "pipeline_schedule": "1F1B"}, FLOAT8, layers=PP2_LAYERS,
            fp32=False),
     Layout("FSDP 2, float8 tensorwise, MXFP8 experts", 2, training=FLOAT8_EXPERTS, models=DEEPSEEK, fp32=False),
@@ -297,8 +312,8 @@ LAYOUTS = [
     Layout("FSDP 2, MTP 1", 2, models=DEEPSEEK, model_args=MTP),
     # Two depths (issue 53): each depth's head loss parallel, the objective main + scale x their mean
     # (fp32; MTP's bf16 entries have one depth).
-    Layout("TP 2 + SP + loss parallel, MTP 2, full AC, accumulation 2", 2, {"tp": 2},
-           {"activation_checkpoint": "full", "gradient_accumulation_steps": 2}, models=DEEPSEEK,
+    Layout("TP 2 + SP, MTP 2, full AC, accumulation 2, chunked loss", 2, {"tp": 2},
+           {"activation_checkpoint": "full", "gradient_accumulation_steps": 2, **CHUNKED}, models=DEEPSEEK,
            model_args={"mtp_layers": 2}, bf16=False),
     Layout("CP 2 all-gather, MTP 1", 2, {"cp": 2, **CP1, "cp_method": "allgather"}, models=DEEPSEEK, model_args=MTP),
     Layout("CP 2 ring, MTP 1", 2, {"cp": 2, **CP1, "cp_method": "ring"}, models=DEEPSEEK, model_args=MTP),
@@ -306,8 +321,8 @@ LAYOUTS = [
     Layout("EP 2 dropless, MTP 1", 2, {"ep": 2}, models=DEEPSEEK, model_args=MTP),
     # Under PP the depth sits on the last stage with the head; the first stage embeds its shifted
     # tokens and every stage hands them on beside the hidden state (one embedding, one gradient).
-    Layout("PP 2 1F1B, MTP 1", 2, {**PP2, "pipeline_schedule": "1F1B"}, models=DEEPSEEK, model_args=MTP,
-           layers={"deepseek_v3": "2,2"}),
+    Layout("PP 2 1F1B, MTP 1, chunked loss", 2, {**PP2, "pipeline_schedule": "1F1B"}, CHUNKED, models=DEEPSEEK,
+           model_args=MTP, layers={"deepseek_v3": "2,2"}),
     Layout("PP 2 Interleaved1F1B (2 stages per rank), MTP 1", 2,
            {**PP2, "pipeline_schedule": "Interleaved1F1B", "pipeline_virtual_stages": 2}, models=DEEPSEEK,
            model_args=MTP, layers={"deepseek_v3": "1,1,1,1"}),
@@ -374,12 +389,12 @@ LAYOUTS = [
 # over gloo (comm.backend gloo), each against one rank on the same GPU, with the CPU matrix's
 # entries, dtypes and tolerances (these are its layouts by name, not copies).
 CUDA_SUBSET = (
-    "FSDP 2", "HSDP 2x2", "TP 2 + SP + loss parallel",
-    "CP 2 all-gather, document mask, 2 load-balance rounds", "CP 2 ring, document mask",
+    "FSDP 2", "HSDP 2x2", "TP 2 + SP + loss parallel, chunked loss",
+    "CP 2 all-gather, document mask, 2 load-balance rounds", "CP 2 ring, document mask, chunked loss",
     "CP 2 Ulysses, document mask",
     "EP 2 dropless", "EP 2 capacity (factor 8: no drops)", "FSDP 4 x EP 2 (expert FSDP 2), selective AC",
-    "PP 2 1F1B", "PP 2 Interleaved1F1B (2 stages per rank)", "FSDP 2 x TP 2, float8 tensorwise (float8 all-gather)",
-    "FSDP 2, float8 rowwise, selective AC, accumulation 2", "PP 2 1F1B, MTP 1",
+    "PP 2 1F1B, chunked loss", "PP 2 Interleaved1F1B (2 stages per rank)", "FSDP 2 x TP 2, float8 tensorwise (float8 all-gather)",
+    "FSDP 2, float8 rowwise, selective AC, accumulation 2", "PP 2 1F1B, MTP 1, chunked loss",
 )
 # fmt: on
 ALL_ENTRIES = [

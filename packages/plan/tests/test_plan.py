@@ -509,3 +509,33 @@ def test_mtp_depths_are_planned(tmp_path, capsys):
         return sum(c["bytes"] for c in report["communication"] if c["kind"] == "all_gather")
 
     assert gathered(one) > gathered(none)
+
+
+def test_chunked_loss_lowers_the_traced_peak_by_at_least_the_logits(tmp_path):
+    """training.loss = chunked (issue 54): the traced step's peak is lower than the unfused loss's by
+    at least the logits' size (one row's [tokens, vocab] in fp32), and no logits are held for
+    backward (the head hands the loss per-token losses)."""
+    vocab, tokens = 32768, 8 * 128  # the step's logits (128 MiB) well above its weights (74 MB)
+    flags = ["--model.vocab_size", str(vocab), "--training.loss_chunk_tokens", "64", "--training.local_batch_size",
+             "8", "--training.seq_len", "128"]  # fmt: skip
+    full = _trace(tmp_path, [*flags, "--training.loss", "full"])
+    chunked = _trace(tmp_path, [*flags, "--training.loss", "chunked"])
+    logits_bytes = tokens * vocab * 4
+    assert full.logits == logits_bytes and chunked.logits == tokens * 4
+    assert full.peak - chunked.peak >= logits_bytes, (full.peak, chunked.peak)
+    assert chunked.params == full.params  # the same output.weight
+
+
+def test_chunked_loss_under_fsdp_gathers_and_reduces_the_output_weight_once(tmp_path, capsys):
+    """The chunk loop runs inside one call of the head's FSDP unit: the step's collectives (count and
+    bytes per kind) are the unfused loss's, however many chunks (here 8 per micro-batch)."""
+    reports = {}
+    for loss in ("full", "chunked"):
+        out = tmp_path / f"{loss}.json"
+        flags = ["--job.dump_folder", str(tmp_path), *SMALL, "--parallelism.dp_shard", "2", "--plan.world_size", "2",
+                 "--training.loss", loss, "--training.loss_chunk_tokens", "16", "--plan.json", str(out)]  # fmt: skip
+        assert plan_cli.main(flags) == 0
+        reports[loss] = json.loads(out.read_text())
+    capsys.readouterr()
+    assert reports["chunked"]["communication"] == reports["full"]["communication"]
+    assert reports["chunked"]["memory"]["peak"] < reports["full"]["memory"]["peak"]

@@ -5,6 +5,7 @@ communicate would hang or fail here, and none does.
 """
 
 import pytest
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -123,6 +124,26 @@ def test_loss_parallel_switch():
     assert not uses_loss_parallel({"output": "colwise"}, TensorParallelConfig(), 2)
     with loss_parallel_context(False):
         pass
+
+
+class Head(nn.Module):
+    """A loss head's shape (`weight` [V, D], no nn.Linear) as a model's `output`."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        self.output = nn.Module()
+        self.output.weight = nn.Parameter(torch.zeros(vocab, 4))
+
+
+def test_loss_head_shards_the_vocabulary_and_is_checked(tp_mesh):
+    plan = {"output": "loss_head"}
+    model = apply_tensor_parallel(Head(8), tp_mesh, plan, TensorParallelConfig())
+    assert model.output.weight.placements[0].is_shard(0) and model.output.weight.to_local().shape == (2, 4)
+    assert not uses_loss_parallel(plan, TensorParallelConfig(), 4)  # it computes its own vocab-parallel loss
+    with pytest.raises(TensorParallelConfigError, match=r"'loss_head' shards the vocabulary \(weight.shape\[0\]\) = 6"):
+        apply_tensor_parallel(Head(6), tp_mesh, plan, TensorParallelConfig())
+    with pytest.raises(TensorParallelConfigError, match="'loss_head' needs a module with a 2-D `weight`"):
+        apply_tensor_parallel(Model(), tp_mesh, {**PLAN, "layers.*.ffn_norm": "loss_head"}, TensorParallelConfig())
 
 
 def test_meta_model_is_sharded_without_materialising(tp_mesh):

@@ -44,6 +44,16 @@ def test_estimate_grows_with_batch_seq_and_vocab():
     assert base.logits == 8 * 256 * 2048 * (4 + 4)
 
 
+def test_chunked_loss_counts_one_chunk_of_logits():
+    base = _estimate([("model.vocab_size", "131072")])
+    chunked = _estimate([("model.vocab_size", "131072"), ("training.loss", "chunked")])
+    assert chunked.logits == 512 * 131072 * (4 + 4)  # auto: 2^26 elements / vocab = 512 tokens
+    assert base.logits == 8 * 256 * 131072 * (4 + 4) and chunked.states == base.states
+    tp2 = _estimate([("model.vocab_size", "131072"), ("training.loss", "chunked"), ("parallelism.tp", "2"),
+                     ("parallelism.dp_shard", "1"), ("parallelism.loss_parallel", "false")], world_size=2)
+    assert tp2.logits == chunked.logits / 2  # vocab-parallel chunks whatever loss_parallel says
+
+
 def test_activation_checkpointing_lowers_activations():
     none = _estimate([("training.activation_checkpoint", "none")])
     selective = _estimate([("training.activation_checkpoint", "selective")])

@@ -32,6 +32,7 @@ from .styles import (
     ReplicateCompute,
     ReplicatedNorm,
     SequenceParallelNorm,
+    VocabShardedLossHead,
     hook_replicate_grads,
 )
 
@@ -43,6 +44,7 @@ PLAN_STRINGS = {
     "sequence_parallel": "norm on sequence shards under SP (replicated weights); replicated norm otherwise",
     "embedding_rowwise": "nn.Embedding, vocab sharded; output Shard(1) under SP, else Replicate",
     "output_colwise": "nn.Linear to the vocab, sharded on it; logits kept Shard(-1) under loss parallel",
+    "loss_head": "output projection fused with its loss (weight [V, D]), vocab-sharded; per-token losses out",
     "prepare_input": "opens a TP region: first positional input (or the argument named as "
     "prepare_input(name)) Shard(1) (SP) / Replicate -> Replicate",
     "moe_input_output": "opens a TP region like prepare_input (also (name)); output partial sum -> Shard(1) / Replicate",
@@ -96,6 +98,7 @@ def build_style(plan_string: str, config: TensorParallelConfig, entry: str = "")
         "sequence_parallel": lambda: SequenceParallelNorm() if sp else ReplicatedNorm(),
         "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
         "output_colwise": lambda: _output_colwise(stream, lp),
+        "loss_head": lambda: VocabShardedLossHead(stream),
         "prepare_input": lambda: RegionInput(stream, argument=argument, entry=entry),
         "moe_input_output": lambda: RegionInput(stream, output_layout=stream, argument=argument, entry=entry),
         "replicate": lambda: ReplicateCompute(entry=entry),
@@ -204,6 +207,14 @@ def _check_module(path: str, plan_string: str, module: nn.Module, tp: int) -> No
     elif plan_string in ("rowwise", "rowwise_partial"):
         need(nn.Linear, "its input features are sharded")
         divisible(module.in_features, "in_features")
+    elif plan_string == "loss_head":
+        w = getattr(module, "weight", None)
+        if not isinstance(w, nn.Parameter) or w.ndim != 2:
+            raise TensorParallelConfigError(
+                f"plan entry {path!r}: 'loss_head' needs a module with a 2-D `weight` [vocab, dim], got "
+                f"{type(module).__name__}."
+            )
+        divisible(w.shape[0], "the vocabulary (weight.shape[0])")
     elif plan_string == "embedding_rowwise":
         need(nn.Embedding, "its vocabulary rows are sharded")
         divisible(module.num_embeddings, "num_embeddings (vocab size)")

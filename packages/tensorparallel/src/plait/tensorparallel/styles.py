@@ -162,6 +162,30 @@ class RegionColwise(ColwiseParallel):
         return DTensor.from_local(x, device_mesh, _REPLICATE, run_check=False, grad_placements=_PARTIAL)
 
 
+class VocabShardedLossHead(ParallelStyle):
+    """`loss_head`: an output projection fused with its loss (a module with `weight` [V, D] that
+    returns each token's loss and, given a DTensor weight, computes it vocab-parallel itself, with
+    its own collective). The weight is sharded on the vocabulary (Shard(0)); the hidden-state input
+    (`input_layout`: Shard(1) under SP, else Replicate) is gathered to a replicated local tensor
+    whose gradient is a per-rank partial sum (each rank's vocabulary rows contribute), reduced back
+    on the way out as in a region; the output, the same on every TP rank, passes as it is."""
+
+    def __init__(self, input_layout: Placement):
+        super().__init__()
+        self.input_layout = input_layout
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def shard_vocab(name, mod, mesh):
+            for pname, param in list(mod.named_parameters(recurse=False)):
+                sharded = nn.Parameter(distribute_tensor(param, mesh, (Shard(0),)), requires_grad=param.requires_grad)
+                mod.register_parameter(pname, sharded)
+
+        def input_fn(mod, inputs, mesh):
+            return (enter_region(inputs[0], mesh, self.input_layout), *inputs[1:])
+
+        return distribute_module(module, device_mesh, shard_vocab, input_fn)
+
+
 def _replicate_params(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
     # Parameters only (recurse=False: distribute_module visits every submodule); buffers such as a
     # router's expert bias stay plain tensors the model updates itself.

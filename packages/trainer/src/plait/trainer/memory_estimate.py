@@ -15,7 +15,8 @@ milliseconds and without a trace): it reads the meta model's parameter shapes an
   too under sequence parallel. activation_checkpoint = full keeps only each checkpointed block's
   input (plus one block recomputed in backward); selective keeps the matmul outputs.
 - the loss: logits [tokens, vocab] in the compute dtype plus their fp32 log-softmax (vocab split
-  by tp under loss_parallel), what usually overflows for a big vocabulary.
+  by tp under loss_parallel), what usually overflows for a big vocabulary; under training.loss =
+  chunked, one chunk of them (loss_chunk_tokens tokens; vocab split by tp).
 
 Under pipeline parallel (pp > 1) it counts, for the most loaded pp rank, the blocks and edge units
 of that rank's stages only; FSDP gathers those stages whole for the step (reshard_after_forward =
@@ -38,11 +39,13 @@ from torch import nn
 
 from plait.mesh import ParallelDims
 
+from .loss_head import chunk_tokens_for
 from .optimizer import MOMENT_BYTES
 
 GIB = 2**30
 # TP plan styles that shard a weight over tp ranks (the rest replicate it).
-TP_SHARDED = {"colwise", "rowwise", "rowwise_partial", "embedding_rowwise", "output_colwise", "experts_tp"}
+TP_SHARDED = {"colwise", "rowwise", "rowwise_partial", "embedding_rowwise", "output_colwise", "loss_head",
+              "experts_tp"}
 
 
 @dataclass
@@ -228,8 +231,11 @@ def _estimate(config, dims: ParallelDims, model: nn.Module, info: dict, held_pat
     activations = tokens * (kept * in_flight + recompute) * act_bytes
 
     vocab = getattr(getattr(model, "output", None), "out_features", None) or _vocab(model)
-    if dims.tp > 1 and config.parallelism.loss_parallel:
+    chunked = t.loss == "chunked"
+    if dims.tp > 1 and (config.parallelism.loss_parallel or chunked):  # chunked: vocab-parallel under tp
         vocab /= dims.tp
+    if chunked:  # one chunk of logits alive at a time (loss_head.py)
+        tokens = min(tokens, chunk_tokens_for(t.loss_chunk_tokens, int(vocab * (dims.tp if dims.tp > 1 else 1))))
     # Under pp: the last stage's one micro-batch (its loss follows its forward), on its rank only.
     logits = tokens * vocab * (act_bytes + 4) if has_head else 0
     return MemoryEstimate(int(states), int(gathered), int(activations), int(logits))
@@ -292,7 +298,9 @@ def _fix(config, dims: ParallelDims, est: MemoryEstimate) -> str:
     steps = [f"lower training.local_batch_size ({t.local_batch_size}) or training.seq_len ({t.seq_len})"]
     if t.activation_checkpoint != "full" and est.activations > est.logits:
         steps.append(f"set training.activation_checkpoint = 'full' (now '{t.activation_checkpoint}')")
-    if dims.tp > 1 and not config.parallelism.loss_parallel and est.logits >= est.activations:
+    if t.loss == "full" and est.logits >= est.activations:
+        steps.append("set training.loss = 'chunked'")
+    elif dims.tp > 1 and not config.parallelism.loss_parallel and est.logits >= est.activations:
         steps.append("set parallelism.loss_parallel = true")
     steps.append("raise tp / cp")
     return ", ".join(steps[:-1]) + " or " + steps[-1]

@@ -24,6 +24,7 @@ from .float8 import convert_to_float8, describe
 from .float8_experts import convert_experts_to_float8
 from .fsdp_tp import fsdp_post_forward_first
 from .log import log
+from .loss_head import loss_head_of, take_labels
 from .validate import RunPlan, cp_config, ep_config, tp_config
 
 
@@ -173,6 +174,8 @@ def _parallelize_part(config: Config, plan: RunPlan, meshes: Meshes, device: tor
 
     module, info, dims = part.module, plan.info, meshes.dims
     loss_parallel, cp_layout, dispatchers = False, None, None
+    if config.training.loss == "chunked":
+        take_labels(module)  # the model call's labels, to its loss head (loss_head.py)
     if dims.tp > 1:
         tp = plan.parallel_modules["tp"]
         tp_cfg = tp_config(tp, config)
@@ -199,6 +202,8 @@ def _parallelize_part(config: Config, plan: RunPlan, meshes: Meshes, device: tor
     if config.training.compile:
         for path in part.blocks:
             module.get_submodule(path).compile(**compile_kwargs(config.training))
+        if dims.tp == 1 and loss_head_of(module) is not None:
+            loss_head_of(module).compile_loss()
     wrapped = apply_data_parallel(
         module, meshes, part.blocks, dp_config, expert_modules=part.experts,
         edge_units=part.edge_units if dp_mode in ("fsdp", "hsdp") else (),

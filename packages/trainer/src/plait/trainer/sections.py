@@ -123,6 +123,16 @@ class TrainingConfig:
     mxfp8: one scale per 32 elements (CUDA sm100, B200; torchao's emulation on a CPU), groups
     padded to 32 rows; auto: mxfp8 on sm100 and CPUs, rowwise on sm89 / sm90. Independent of
     training.float8 (the linears). Weights and checkpoints stay in high precision."""
+    loss: Literal["chunked", "full"] = "full"
+    """The token cross-entropy. full: the output layer's logits [tokens, vocab], then the loss on
+    their fp32 upcast. chunked: the output layer and the loss in one function over chunks of
+    loss_chunk_tokens tokens (plait/trainer/chunked_loss.py): no logits kept for backward, which
+    recomputes each chunk's, so at most one chunk of logits is alive; under tensor parallel the
+    chunks are vocab-sharded (one all-gather per chunk; parallelism.loss_parallel only applies to
+    full). The same loss within float tolerance; a model without an `output` linear needs full."""
+    loss_chunk_tokens: int = 0
+    """Tokens per chunk of training.loss = chunked. 0: sized from the vocabulary, the largest power
+    of two whose fp32 logits take at most 2^26 elements (256 MiB): 512 tokens at a 128k vocabulary."""
     deterministic: bool = False
     """torch.use_deterministic_algorithms(True) and deterministic kernels: bitwise-repeatable runs."""
     compile: bool = False

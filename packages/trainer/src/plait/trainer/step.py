@@ -17,6 +17,7 @@ from plait.models.documents import MIN_DOCUMENTS_PER_ROW, documents_capacity, ro
 
 from .config import ConfigError
 from .float8 import after_optimizer_step
+from .loss_head import LABELS_KWARG, summed_token_losses
 from .mtp import IGNORE_INDEX, depth_losses, mtp_depths, objective, shifted_rows
 
 
@@ -28,17 +29,25 @@ def cross_entropy_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> tor
     )
 
 
+def token_loss_fn(config):
+    """The step's summed token loss for training.loss: on logits (full), or on the per-token
+    losses a chunked loss head returns (chunked)."""
+    return summed_token_losses if config.training.loss == "chunked" else cross_entropy_loss
+
+
 class StepRunner:
     """What one step reads, given at construction: `pm` (parallelize's ParallelModel), its
     optimizer and LR schedule, `moe` (MoEStep or None), `loss_fn` (the summed token loss, maybe
-    compiled), `pipeline` (the schedule under pp > 1, else None)."""
+    compiled; None: the one training.loss calls for), `pipeline` (the schedule under pp > 1, else None)."""
 
     def __init__(self, config, plan, meshes, pm, optimizer, scheduler, device: torch.device, *,
-                 moe=None, loss_fn=cross_entropy_loss, pipeline=None):  # fmt: skip
+                 moe=None, loss_fn=None, pipeline=None):  # fmt: skip
         self.config, self.plan, self.meshes, self.device = config, plan, meshes, device
         self.pm, self.model = pm, pm.model
         self.optimizer, self.scheduler = optimizer, scheduler
-        self.moe, self.loss_fn, self.pipeline = moe, loss_fn, pipeline
+        self.moe, self.loss_fn, self.pipeline = moe, loss_fn or token_loss_fn(config), pipeline
+        # training.loss = chunked: the model's head takes the labels and returns per-token losses.
+        self.chunked = config.training.loss == "chunked"
         self.loss_context = self._loss_context_factory()
         # Around each micro-batch's host work before its forward (the planner counts it per micro-batch).
         self.micro_batch_context = contextlib.nullcontext
@@ -87,9 +96,17 @@ class StepRunner:
             mtp = tuple(shard_sequence(rows_KBS, 2, cp_rank, layout) for rows_KBS in mtp)
         return tokens, labels, positions, documents, mtp
 
-    def forward(self, tokens_BS, positions, documents_BS, mtp=None):
-        """The model's logits; with MTP rows, (logits, [logits of each depth])."""
+    def head_labels(self, labels_BS, mtp=None) -> dict:
+        """The model call's keyword for a chunked loss head (loss_head.py): the main labels and each
+        MTP depth's, [B, 1 + K, S]; nothing under training.loss = full."""
+        return {LABELS_KWARG: self._all_labels(labels_BS, mtp).transpose(0, 1)} if self.chunked else {}
+
+    def forward(self, tokens_BS, positions, documents_BS, mtp=None, labels_BS=None):
+        """The model's logits; with MTP rows, (logits, [logits of each depth]). Under training.loss =
+        chunked (`labels_BS` given) per-token losses in place of logits."""
         extra = {} if mtp is None else {"mtp_tokens": mtp[0].transpose(0, 1)}  # [B, K, S]
+        if labels_BS is not None:
+            extra.update(self.head_labels(labels_BS, mtp))
         if documents_BS is None:  # causal: the two-argument call every model takes
             return self.model(tokens_BS, positions, **extra)
         return self.model(tokens_BS, positions, documents_BS, **extra)
@@ -185,6 +202,7 @@ class StepRunner:
         (inputs_BS, labels_BS, positions, documents_BS, mtp), = [self.local_batch(*mb) for mb in micro_batches]
         autocast = self.pm.autocast or contextlib.nullcontext()
         kwargs = dict(positions=positions, document_positions=documents_BS)
+        labels_main = labels_BS
         if mtp is None:
             scale = self._loss_scale([labels_BS])
         else:  # each loss's scale inside the MTP loss; the depths' rows go to every stage
@@ -192,6 +210,7 @@ class StepRunner:
             mtp_loss.start_step(self._loss_scale([self._all_labels(labels_BS, mtp)]))
             labels_BS = torch.cat([labels_BS[:, None], mtp[1].transpose(0, 1)], 1).flatten(1)  # [B, (1 + K) S]
             kwargs["mtp_tokens"] = mtp[0].transpose(0, 1)
+        kwargs.update(self.head_labels(labels_main, mtp))  # for a chunked loss head on the last stage
         with self.loss_context(), autocast:
             loss = self.pipeline.step(inputs_BS, labels_BS, scale=scale, **kwargs)
         if mtp is not None:  # the main loss, then each depth's: the last stage's, summed over micro-batches
@@ -230,7 +249,7 @@ class StepRunner:
         for inputs_BS, labels_BS, positions, documents_BS, mtp in batches:
             with self.loss_context():
                 with autocast:
-                    out = self.forward(inputs_BS, positions, documents_BS, mtp)
+                    out = self.forward(inputs_BS, positions, documents_BS, mtp, labels_BS)
                     logits_BSV, *depth_logits = out if mtp is not None else (out,)
                     losses = [self.loss_fn(logits_BSV, labels_BS) * scales[0]]
                     if mtp is not None:

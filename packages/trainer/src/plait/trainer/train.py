@@ -33,7 +33,7 @@ from .parallelize import parallelize
 from .pipeline import merge_micro_batches
 from .run_data import build_loader, data_exchange
 from .run_lock import take_run_locks
-from .step import StepRunner, cross_entropy_loss
+from .step import StepRunner, cross_entropy_loss, token_loss_fn
 from .stop_signal import StopSignal
 from .validate import validate
 from .validation import validation_loss
@@ -95,8 +95,9 @@ class Trainer:
         )
         # Under training.compile the loss is compiled too (the fp32 upcast fuses into the
         # log-softmax); not on tensor-parallel (DTensor) logits.
-        compile_loss = config.training.compile and self.plan.dims.tp == 1
-        self.loss_fn = torch.compile(cross_entropy_loss) if compile_loss else cross_entropy_loss
+        # (training.loss = chunked: the loss head compiles its own chunked loss, loss_head.py.)
+        compile_loss = config.training.compile and self.plan.dims.tp == 1 and config.training.loss == "full"
+        self.loss_fn = torch.compile(cross_entropy_loss) if compile_loss else token_loss_fn(config)
         self.checkpointer = CheckpointManager(
             config, self.plan.dims, self.pm.inner, self.optimizer, self.scheduler, self.loader, self.rank
         )

@@ -20,6 +20,7 @@ from .data_checks import build_checked_tokenizer, check_data
 from .fault_tolerance import check_fault_tolerance
 from .float8 import check_float8, check_float8_linears
 from .float8_experts import check_float8_experts
+from .loss_head import use_loss_head
 from .machine_checks import check_comm, check_memory_fits
 from .model_args import model_spec, resolve_model_args
 from .mtp import check_mtp_seq_len, check_mtp_stages
@@ -70,6 +71,7 @@ def _check_positive(config: Config) -> None:
         "checkpoint.keep_last": config.checkpoint.keep_last,
         "job.stop_grace_s": config.job.stop_grace_s,
         "metrics.cpu_peak_tflops": config.metrics.cpu_peak_tflops,
+        "training.loss_chunk_tokens": config.training.loss_chunk_tokens,
     }
     for key, value in nonneg.items():
         if value < 0:
@@ -281,6 +283,7 @@ def validate(config: Config, world_size: int | None = None, check_memory: bool =
     with torch.device("meta"):
         model = spec.model_cls(model_args)
     info = model.parallel_info()
+    use_loss_head(model, info, config)  # training.loss = chunked: `output` fused with the loss
     check_float8_linears(config, model)
     _check_parallel_fit(config, dims, parallel_modules, model, model_args, info)
     # The GPU's kind is this machine's unless plait-plan checks a layout for another one.

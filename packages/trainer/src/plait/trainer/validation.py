@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor
 
 from .pipeline import merge_micro_batches
 from .run_data import build_loader, data_exchange
-from .step import IGNORE_INDEX, cross_entropy_loss
+from .step import IGNORE_INDEX, token_loss_fn
 
 
 def validation_loss(trainer) -> float:
@@ -35,11 +35,13 @@ def validation_loss(trainer) -> float:
             with trainer.runner.loss_context(), autocast:
                 if trainer.pipeline is not None:  # the loss sum on the last stage's rank, else None
                     loss = trainer.pipeline.eval_step(
-                        inputs_BS, labels_BS, positions=positions, document_positions=documents_BS
+                        inputs_BS, labels_BS, positions=positions, document_positions=documents_BS,
+                        **trainer.runner.head_labels(labels_BS),
                     )
                     loss = torch.zeros((), device=trainer.device) if loss is None else loss
                 else:
-                    loss = cross_entropy_loss(trainer.runner.forward(inputs_BS, positions, documents_BS), labels_BS)
+                    out = trainer.runner.forward(inputs_BS, positions, documents_BS, labels_BS=labels_BS)
+                    loss = token_loss_fn(trainer.config)(out, labels_BS)
             totals[0] += loss.full_tensor() if isinstance(loss, DTensor) else loss
             totals[1] += (labels_BS != IGNORE_INDEX).sum()
             n += 1
