@@ -11,7 +11,7 @@ import pytest
 from plait.plan import cli as plan_cli
 from plait.plan import max_batch
 from plait.plan import search as plan_search
-from plait.trainer.config import ConfigError, build_config, load_toml
+from plait.trainer.config import build_config, load_toml
 
 # Two layers at seq 1024 in bf16: traced peaks (MiB) full 46 / 98 / 163 at batch 1 / 2 / 4, none 96 /
 # 155 at 1 / 2; 0.14 GiB (129 MiB usable) makes the answers a few sequences.
