@@ -44,8 +44,6 @@ FLAGS = ("search", "max_batch")  # --plan.search alone means true
 
 def split_plan_args(argv: list[str]) -> tuple[PlanArgs, list[str]]:
     """The --plan.* flags, and the rest for plait-train's parser."""
-    from .devices import DEVICES
-
     plan, rest, i = PlanArgs(), [], 0
     while i < len(argv):
         name, eq, inline = argv[i].partition("=")
@@ -65,39 +63,7 @@ def split_plan_args(argv: list[str]) -> tuple[PlanArgs, list[str]]:
         if value is None:
             raise ConfigError(f"{name} needs a value.")
         i += 1 if eq else 2
-        try:
-            if key == "world_size":
-                plan.world_size = int(value)
-                if plan.world_size < 1:
-                    raise ValueError
-            elif key == "document_tokens":
-                plan.document_tokens = int(value)
-                if plan.document_tokens < 1:
-                    raise ValueError
-            elif key in FLAGS:
-                if value not in ("true", "false"):
-                    raise ValueError
-                setattr(plan, key, value == "true")
-            elif key == "search_limit":
-                plan.search_limit = int(value)
-                if plan.search_limit < 1:
-                    raise ValueError
-            elif key == "device_memory_gib":
-                plan.device_memory_gib = float(value)
-                if not (math.isfinite(plan.device_memory_gib) and plan.device_memory_gib > 0):
-                    raise ValueError
-            elif key == "device":
-                if value.lower() not in DEVICES:
-                    raise ValueError
-                plan.device = value.lower()
-            else:
-                plan.json = value
-        except ValueError:
-            expected = {"world_size": "a number of ranks >= 1", "device_memory_gib": "a finite number of GiB > 0",
-                        "document_tokens": "a number of tokens >= 1",
-                        "search": "true or false", "max_batch": "true or false", "search_limit": "a number of layouts >= 1",
-                        "device": " or ".join(DEVICES)}[key]
-            raise ConfigError(f"{name} = {value!r}: expected {expected}.") from None
+        _set_plan_value(plan, key, name, value)
     if plan.world_size:
         check_world_size(plan.world_size)
     if plan.max_batch:
@@ -105,6 +71,45 @@ def split_plan_args(argv: list[str]) -> tuple[PlanArgs, list[str]]:
 
         check_max_batch_args(plan)
     return plan, rest
+
+
+def _set_plan_value(plan: PlanArgs, key: str, name: str, value: str) -> None:
+    """One --plan.KEY VALUE into `plan`, or a one-line error naming what it expects."""
+    from .devices import DEVICES
+
+    try:
+        if key == "world_size":
+            plan.world_size = int(value)
+            if plan.world_size < 1:
+                raise ValueError
+        elif key == "document_tokens":
+            plan.document_tokens = int(value)
+            if plan.document_tokens < 1:
+                raise ValueError
+        elif key in FLAGS:
+            if value not in ("true", "false"):
+                raise ValueError
+            setattr(plan, key, value == "true")
+        elif key == "search_limit":
+            plan.search_limit = int(value)
+            if plan.search_limit < 1:
+                raise ValueError
+        elif key == "device_memory_gib":
+            plan.device_memory_gib = float(value)
+            if not (math.isfinite(plan.device_memory_gib) and plan.device_memory_gib > 0):
+                raise ValueError
+        elif key == "device":
+            if value.lower() not in DEVICES:
+                raise ValueError
+            plan.device = value.lower()
+        else:
+            plan.json = value
+    except ValueError:
+        expected = {"world_size": "a number of ranks >= 1", "device_memory_gib": "a finite number of GiB > 0",
+                    "document_tokens": "a number of tokens >= 1",
+                    "search": "true or false", "max_batch": "true or false", "search_limit": "a number of layouts >= 1",
+                    "device": " or ".join(DEVICES)}[key]
+        raise ConfigError(f"{name} = {value!r}: expected {expected}.") from None
 
 
 def check_json_path(path: str) -> None:
