@@ -11,6 +11,8 @@ import pytest
 from plait.plan import cli as plan_cli
 from plait.plan import max_batch
 from plait.plan import search as plan_search
+from plait.plan.devices import GIB
+from plait.plan.report import HEADROOM
 from plait.trainer.config import build_config, load_toml
 
 # Two layers at seq 1024 in bf16: traced peaks (MiB) full 46 / 98 / 163 at batch 1 / 2 / 4, none 96 /
@@ -66,7 +68,7 @@ def test_modes_are_ordered_and_every_answer_is_a_trace(found):
         assert any(traced.get((ac, m["local_batch_size"] + 1)) is False for ac in lighter)
         assert m["peak"] <= result["usable_gib"] * 2**30
         assert m["tokens_per_gpu_per_step"] == m["local_batch_size"] * 1024  # one rank, no accumulation
-    assert len(result["traces"]) <= 12  # doubling then bisection, not a scan
+    assert len(result["traces"]) <= 12  # interpolation and bisection, not a scan
     assert result["configured"] == {"activation_checkpoint": "none", "local_batch_size": 8,
                                     "tokens_per_gpu_per_step": 8 * 1024, "fits": False}
     assert "which does not fit" in table and "largest local batch" in table
@@ -89,7 +91,7 @@ class _StandIn:
     """A planner whose peak is batch x seq_len x a per-mode factor (bytes): the search's steps and
     bounds without tracing. Records the batches asked."""
 
-    FACTOR = {"none": 4, "selective": 2, "full": 1}
+    FACTOR = {"none": 4, "selective": 2, "full": 1}  # bytes per token
 
     def __init__(self, usable: float):
         self.usable, self.asked = usable, []
@@ -102,19 +104,40 @@ class _StandIn:
 
 
 def _stand_in_search(monkeypatch, usable: float, flags=()):
-    planner = _StandIn(usable)
+    """max_batch over the stand-in, on a device whose usable memory is `usable` bytes (plus half a
+    sequence of full AC at seq 256, so that no answer sits on a rounding edge)."""
+    memory_gib = (usable + 128) / GIB / (1 - HEADROOM)
+    planner = _StandIn(memory_gib * (1 - HEADROOM) * GIB)  # max_batch's arithmetic
     monkeypatch.setattr(plan_search, "_trace_in_child", planner)
     config = build_config(load_toml("llama3_debugmodel.toml"), [("model.tokenizer_path", ""), *flags])
-    return max_batch.max_batch(config, plan_cli.PlanArgs()), planner
+    return max_batch.max_batch(config, plan_cli.PlanArgs(device_memory_gib=memory_gib)), planner
 
 
-def test_the_search_doubles_then_bisects_and_heavier_modes_stay_below(monkeypatch):
+def test_the_search_interpolates_and_heavier_modes_stay_below(monkeypatch):
     result, planner = _stand_in_search(monkeypatch, usable=100 * 256)  # full 100, selective 50, none 25
     assert [(m.ac, m.local_batch_size) for m in result.modes] == [("full", 100), ("selective", 50), ("none", 25)]
-    full = [b for ac, b in planner.asked if ac == "full"]
-    assert full[:8] == [1, 2, 4, 8, 16, 32, 64, 128] and len(full) == 14  # 6 bisections of 64..128
-    assert all(b < 128 for ac, b in planner.asked if ac != "full")  # below full's first batch that does not fit
-    assert len(planner.asked) == 14 + 6 + 5  # selective bisects 0..101 (full: 101 does not fit), none 0..51
+    # Full: 1 and 2 give the line, which meets the memory at 100; 101 closes the bracket.
+    assert [b for ac, b in planner.asked if ac == "full"] == [1, 2, 100, 101]
+    # Selective: 1 does not halve 1..100 (full's bound), so a bisection (51), then the line hits 50.
+    assert [b for ac, b in planner.asked if ac == "selective"] == [1, 51, 50]
+    assert [b for ac, b in planner.asked if ac == "none"] == [1, 26, 25]
+
+
+def test_a_peak_that_is_not_linear_still_ends_in_a_one_sequence_bracket(monkeypatch):
+    """Quadratic peaks (batch^2 x 256 bytes): the line errs, the bisections bound the traces."""
+
+    def squared(config, plan_args):
+        batch = config.training.local_batch_size
+        asked.append(batch)
+        return {"memory": {"peak": batch * batch * 256}, "fits": batch * batch * 256 <= usable}
+
+    asked, memory_gib = [], 5000.5 * 256 / GIB / (1 - HEADROOM)
+    usable = memory_gib * (1 - HEADROOM) * GIB
+    monkeypatch.setattr(plan_search, "_trace_in_child", squared)
+    config = build_config(load_toml("llama3_debugmodel.toml"), [("model.tokenizer_path", "")])
+    result = max_batch.max_batch(config, plan_cli.PlanArgs(device_memory_gib=memory_gib))
+    assert [m.local_batch_size for m in result.modes] == [70, 70, 70]  # 70^2 <= 5000 < 71^2
+    assert len(asked) <= 3 * 12
 
 
 def test_forwarded_flags_change_the_answer(monkeypatch):
@@ -132,7 +155,7 @@ def test_pipeline_batches_move_in_whole_pipeline_steps_up_to_the_cap(monkeypatch
     assert max_batch.batch_step(config) == 4
     planner = _StandIn(usable=float("inf"))
     monkeypatch.setattr(plan_search, "_trace_in_child", planner)
-    result = max_batch.MaxBatchResult(world_size=2, step=4)
+    result = max_batch.MaxBatchResult(world_size=2, step=4, usable=float("inf"))
     mode, bound = max_batch._largest(config, None, "full", None, result, None)
     assert mode.capped and mode.local_batch_size == max_batch.MAX_LOCAL_BATCH and bound is None
     assert all(b % 4 == 0 for _, b in planner.asked)

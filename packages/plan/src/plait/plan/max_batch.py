@@ -8,10 +8,12 @@ plan fits: the planner's own rule (`report.fits`: the peak of a step after the f
 device's memory less `report.HEADROOM`). Every answer is a trace of the real step (`make_plan`, in a
 forked child as the layout search's), none an estimate.
 
-Few traces: full AC first, at batch 1, then doubling until a batch does not fit, then bisection
-between the last that fits and the first that does not. A heavier mode (selective, then none)
-saves at least the lighter one's activations at every batch, so it is bisected below the lighter
-mode's first batch that does not fit, without doubling again. Under pipeline parallel the local
+Few traces: full AC first, at batch 1, then 2; from then on each probe is where the line through
+two traced peaks meets the usable memory (the peak grows about linearly with the batch), kept
+strictly between the largest batch that fits and the smallest that does not, and bisection where
+such a step did not halve that bracket; it ends when the two are one apart. A heavier mode
+(selective, then none) saves at least the lighter one's activations at every batch, so its search
+starts below the lighter mode's first batch that does not fit. Under pipeline parallel the local
 batch is one pipeline step: it moves in steps of pp micro-batches (every schedule's minimum, and
 whole rounds of the interleaved ones), and since a schedule keeps a bounded number of
 micro-batches in flight the doubling stops at MAX_LOCAL_BATCH.
@@ -46,6 +48,7 @@ class ModeResult:
 class MaxBatchResult:
     world_size: int
     step: int  # local batches move in these steps (pp micro-batches under pp, else 1)
+    usable: float  # bytes a plan may peak at (the device's memory less HEADROOM)
     modes: list = field(default_factory=list)  # [ModeResult], AC_MODES order
     traces: list = field(default_factory=list)  # [{"ac", "local_batch_size", "peak", "fits"}], in order
 
@@ -84,7 +87,7 @@ def max_batch(config, plan_args, progress=None) -> MaxBatchResult:
     validate(config, world_size=world, need_data=False)  # the config's own errors, as plait-train's, before a trace
     child_args = PlanArgs(world_size=world, device=plan_args.device, device_memory_gib=plan_args.device_memory_gib,
                           document_tokens=plan_args.document_tokens)
-    result = MaxBatchResult(world, batch_step(config))
+    result = MaxBatchResult(world, batch_step(config), _usable_gib(plan_args)[1] * GIB)
     bound = None  # the lighter mode's first multiple of the step that does not fit
     for ac in AC_MODES:
         mode, bound = _largest(config, child_args, ac, bound, result, progress)
@@ -93,28 +96,40 @@ def max_batch(config, plan_args, progress=None) -> MaxBatchResult:
 
 
 def _largest(config, plan_args, ac: str, bound: int | None, result: MaxBatchResult, progress):
-    """(the mode's ModeResult, its first multiple of the step that does not fit or None): doubling from
-    1 without a bound, then bisection; the search is over multiples k of result.step."""
-    reports = {}
-
-    def fits(k: int) -> bool:
-        reports[k] = _trace(config, plan_args, ac, k * result.step, result, progress)
-        return reports[k]["fits"]
-
+    """(the mode's ModeResult, its first multiple of the step that does not fit or None): the search
+    over multiples k of result.step, each probe `_next_probe`'s."""
+    reports, peaks = {}, {}
     top = MAX_LOCAL_BATCH // result.step
     lo, hi = 0, bound  # lo fits (0: nothing known to), hi does not (None: not found yet)
-    if hi is None:
-        k = 1
-        while fits(k):
-            lo = k
-            if k >= top:
-                return ModeResult(ac, k * result.step, capped=True, report=reports[k]), None
-            k = min(2 * k, top)
-        hi = k
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return ModeResult(ac, lo * result.step, report=reports.get(lo)), hi
+    bisect = False
+    while (hi is None or hi - lo > 1) and lo < top:
+        k = (lo + hi) // 2 if bisect else _next_probe(peaks, lo, hi, top, result.usable)
+        reports[k] = _trace(config, plan_args, ac, k * result.step, result, progress)
+        peaks[k] = reports[k]["memory"]["peak"]
+        gap = (hi or 2 * top) - lo
+        lo, hi = (k, hi) if reports[k]["fits"] else (lo, k)
+        # An interpolation that did not halve the bracket is followed by a bisection (at worst
+        # every second probe halves it, as bisection alone would).
+        bisect = hi is not None and not bisect and (hi - lo) > gap / 2
+    return ModeResult(ac, lo * result.step, capped=lo >= top, report=reports.get(lo)), None if lo >= top else hi
+
+
+def _next_probe(peaks: dict, lo: int, hi: int | None, top: int, usable: float) -> int:
+    """The next multiple to trace: where the line through two traced peaks (the bracket's ends, else
+    the two largest that fit) meets the usable memory, kept strictly inside the bracket; doubling
+    while there is no line. The peak grows about linearly with the batch, so this takes few traces."""
+    if not peaks:
+        return 1
+    fitting = sorted(k for k in peaks if k <= lo)
+    line = (lo, hi) if lo and hi in peaks else tuple(fitting[-2:]) if len(fitting) >= 2 else None
+    guess = 2 * lo
+    if line:
+        (a, b), (pa, pb) = line, (peaks[line[0]], peaks[line[1]])
+        slope = (pb - pa) / (b - a)
+        if slope > 0:
+            rows = (usable - pa) / slope  # multiples beyond a that still fit (inf: no bound)
+            guess = top if rows >= top else a + int(rows)
+    return max(lo + 1, min(guess, (hi - 1) if hi is not None else top))
 
 
 def _trace(config, plan_args, ac: str, batch: int, result: MaxBatchResult, progress) -> dict:
