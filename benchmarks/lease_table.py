@@ -36,10 +36,11 @@ DIMS = {
     "llama3-8B": "Llama 3 8B dims",
     "deepseek-16B": "DeepSeek-V3 16B dims",
 }
-MODE_ORDER = ("eager", "compile", "cudagraphs", "float8tw", "float8rw", "float8x", "torchtitan")
+MODE_ORDER = ("eager", "compile", "cudagraphs", "float8tw", "float8rw", "float8x", "chunked", "bf16states", "torchtitan")
 MODE_NAMES = {"eager": "plait eager", "compile": "plait compile", "cudagraphs": "plait CUDA graphs",
               "float8tw": "plait compile, float8 tensorwise", "float8rw": "plait compile, float8 rowwise",
-              "float8x": "plait compile, float8 rowwise + float8 experts"}
+              "float8x": "plait compile, float8 rowwise + float8 experts", "chunked": "plait compile, chunked loss",
+              "bf16states": "plait compile, bf16 optimizer states"}
 TORCHTITAN_VERSION = "0.3.0"  # records before benchmarks/gpu.py wrote `torchtitan_version` ran this one
 
 

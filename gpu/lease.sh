@@ -68,6 +68,7 @@ DRY=0 TOTAL_S=520 COLLECTIVES_S=45 SUITE_S=120 PARITY_S=200 VARLEN_S=75 GEMM_S=3
 RUNS=llama3-8B:causal:compile,llama3-8B:causal:torchtitan,deepseek-16B:causal:compile,deepseek-16B:causal:torchtitan
 RUNS+=,llama3-8B:causal:float8rw,llama3-8B:causal:float8tw,deepseek-16B:causal:float8rw,deepseek-16B:causal:float8x
 RUNS+=,llama3-8B:document:compile,deepseek-16B:document:compile
+RUNS+=,llama3-8B:causal:chunked,deepseek-16B:causal:chunked,llama3-8B:causal:bf16states,deepseek-16B:causal:bf16states
 RUNS+=,llama3-8B:causal:cudagraphs,llama3-8B:document:cudagraphs,deepseek-16B:causal:cudagraphs,deepseek-16B:document:cudagraphs
 RUNS+=,deepseek-16B:causal:eager,deepseek-16B:document:eager,llama3-8B:causal:eager,llama3-8B:document:eager
 PYTEST_ARGS=()

@@ -7,7 +7,10 @@
 Each config runs at the world size it is written for (the same counts as the memory-estimate
 test, packages/trainer/tests/test_trainer_memory_estimate.py), with its own degrees, micro-batch
 and AC mode; the tokenizer is the shipped one (the configs name files a clone does not have; only
-the vocabulary size matters to a plan). Pipeline-parallel configs are traced stage by stage (rank
+the vocabulary size matters to a plan). Tokens per GPU per step are the global batch's tokens over
+the world (plait-plan's count); beside them, in brackets where it differs, the same for the config
+as it stood at BASELINE_COMMIT, before `plait-plan --plan.max_batch` set its batch (issue 54; read
+with git, left out where the history is not there). Pipeline-parallel configs are traced stage by stage (rank
 0's stages); a config the planner cannot trace gets a row saying so instead of failing the table.
 Nobody types these numbers.
 """
@@ -26,6 +29,8 @@ from parity_table import write_readme  # tools/ is on sys.path when this script 
 ROOT = Path(__file__).resolve().parent.parent
 START, END = "<!-- plan-table:start -->", "<!-- plan-table:end -->"
 GIB = 2**30
+BASELINE_COMMIT = "4e8c30b"  # the shipped configs before issue 54's batch search
+CONFIG_DIR = "packages/trainer/src/plait/trainer/configs"
 # config -> ranks it is written for
 CONFIGS = {
     "llama3_8B": 8, "llama3_8B_64k_cp": 8, "llama3_70B": 64, "llama3_405B": 512,
@@ -69,6 +74,35 @@ def plan(name: str, world: int) -> dict:
     return report
 
 
+def tokens_per_gpu(report: dict) -> float:
+    from plait.plan.report import tokens_per_gpu_per_step
+
+    b, s = report["micro_batch"]
+    layout = report["layout"]
+    return tokens_per_gpu_per_step(b, s, report["gradient_accumulation_steps"], layout["dp_replicate"] *
+                                   layout["dp_shard"], layout["world_size"])
+
+
+def baseline_tokens_per_gpu(name: str) -> float | None:
+    """Tokens per GPU per step of the config at BASELINE_COMMIT (None without that history)."""
+    import tomllib
+
+    shown = subprocess.run(["git", "show", f"{BASELINE_COMMIT}:{CONFIG_DIR}/{name}.toml"], cwd=ROOT,
+                           capture_output=True, text=True)
+    if shown.returncode:
+        return None
+    from plait.trainer.config import build_config
+
+    config = build_config(tomllib.loads(shown.stdout))  # the trainer's defaults for what it leaves out
+    t, p = config.training, config.parallelism
+    return t.local_batch_size * t.seq_len * t.gradient_accumulation_steps / (p.tp * p.cp * max(1, p.pp))
+
+
+def _tokens(name: str, report: dict) -> str:
+    now, before = tokens_per_gpu(report), baseline_tokens_per_gpu(name)
+    return f"{now:,.0f}" + (f" ({before:,.0f})" if before is not None and before != now else "")
+
+
 def _layout(layout: dict) -> str:
     names = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "etp")
     return " x ".join(f"{k} {layout[k]}" for k in names if layout.get(k) not in (None, 1)) or "one rank"
@@ -95,7 +129,8 @@ def _comm(report: dict) -> str:
 
 
 def render(rows: list[tuple[str, int, dict]], commit: str) -> str:
-    head = ["config", "ranks", "layout", "micro-batch x accumulation, AC", "peak / rank (GiB)",
+    head = ["config", "ranks", "layout", "micro-batch x accumulation, AC",
+            f"tokens / GPU / step (at {BASELINE_COMMIT})", "peak / rank (GiB)",
             "what dominates the peak (GiB at the peak)", "model state / rank (GiB)", "comm / step (largest); ideal comm time",
             "fits H100 80 GB (67.1 GiB usable)"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -104,14 +139,14 @@ def render(rows: list[tuple[str, int, dict]], commit: str) -> str:
             note = r["error"].removeprefix("plait-plan: error: ")
             if "pipeline stages" in note:
                 note = f"pp: not traced yet ({note})"
-            lines.append(f"| {name} | {world} | | | | {note} | | | not planned |")
+            lines.append(f"| {name} | {world} | | | | | {note} | | | not planned |")
             continue
         m = r["memory"]
         b, s = r["micro_batch"]
         state = (m["parameters"] + m["gradients"] + m["optimizer"]) / GIB
         lines.append(
             f"| {name} | {world} | {_layout(r['layout'])}{''.join(f' ({n})' for n in r['notes'])} | {b} x {s} x {r['gradient_accumulation_steps']}, "
-            f"{r['activation_checkpoint']} | {m['peak'] / GIB:.1f} | {_dominant(r)} | {state:.1f} | {_comm(r)} | "
+            f"{r['activation_checkpoint']} | {_tokens(name, r)} | {m['peak'] / GIB:.1f} | {_dominant(r)} | {state:.1f} | {_comm(r)} | "
             f"{'yes' if r['fits'] else '**no**'} |"
         )
     seconds = sum(r.get("seconds", 0) for _, _, r in rows)

@@ -20,6 +20,9 @@ and attention), whatever the CPU planning it. The --plan.* flags are the planner
   --plan.search               list the layouts that fit --plan.world_size, fewest bytes per token first,
                               each as plait-train flags (plan/search.py)
   --plan.search_limit N       layouts the search traces at most (default 12)
+  --plan.max_batch            for the config's layout, each AC mode's largest training.local_batch_size
+                              that fits (traced: doubling, then bisection), tokens per GPU per step,
+                              and the one recommended (plan/max_batch.py); not with --plan.search
 
 plait-plan starts no ranks: --nproc-per-node is refused (the plan's world is --plan.world_size).
 """
@@ -34,13 +37,13 @@ from plait.trainer.config import ConfigError
 
 from .planning import PlanArgs, check_world_size, make_plan  # noqa: F401  (PlanArgs: read here by benchmarks)
 
-PLAN_KEYS = ("world_size", "device", "device_memory_gib", "document_tokens", "json", "search", "search_limit")
+PLAN_KEYS = ("world_size", "device", "device_memory_gib", "document_tokens", "json", "search", "search_limit",
+             "max_batch")
+FLAGS = ("search", "max_batch")  # --plan.search alone means true
 
 
 def split_plan_args(argv: list[str]) -> tuple[PlanArgs, list[str]]:
     """The --plan.* flags, and the rest for plait-train's parser."""
-    from .devices import DEVICES
-
     plan, rest, i = PlanArgs(), [], 0
     while i < len(argv):
         name, eq, inline = argv[i].partition("=")
@@ -52,49 +55,61 @@ def split_plan_args(argv: list[str]) -> tuple[PlanArgs, list[str]]:
         if key not in PLAN_KEYS:
             raise ConfigError(f"unknown option {name!r}: plait-plan takes {', '.join('--plan.' + k for k in PLAN_KEYS)}.")
         value = inline if eq else (argv[i + 1] if i + 1 < len(argv) else None)
-        if key == "search" and not eq:
+        if key in FLAGS and not eq:
             value = argv[i + 1] if i + 1 < len(argv) and argv[i + 1] in ("true", "false") else None
-            plan.search, i = value != "false", i + (2 if value else 1)
+            setattr(plan, key, value != "false")
+            i += 2 if value else 1
             continue
         if value is None:
             raise ConfigError(f"{name} needs a value.")
         i += 1 if eq else 2
-        try:
-            if key == "world_size":
-                plan.world_size = int(value)
-                if plan.world_size < 1:
-                    raise ValueError
-            elif key == "document_tokens":
-                plan.document_tokens = int(value)
-                if plan.document_tokens < 1:
-                    raise ValueError
-            elif key == "search":
-                if value not in ("true", "false"):
-                    raise ValueError
-                plan.search = value == "true"
-            elif key == "search_limit":
-                plan.search_limit = int(value)
-                if plan.search_limit < 1:
-                    raise ValueError
-            elif key == "device_memory_gib":
-                plan.device_memory_gib = float(value)
-                if not (math.isfinite(plan.device_memory_gib) and plan.device_memory_gib > 0):
-                    raise ValueError
-            elif key == "device":
-                if value.lower() not in DEVICES:
-                    raise ValueError
-                plan.device = value.lower()
-            else:
-                plan.json = value
-        except ValueError:
-            expected = {"world_size": "a number of ranks >= 1", "device_memory_gib": "a finite number of GiB > 0",
-                        "document_tokens": "a number of tokens >= 1",
-                        "search": "true or false", "search_limit": "a number of layouts >= 1",
-                        "device": " or ".join(DEVICES)}[key]
-            raise ConfigError(f"{name} = {value!r}: expected {expected}.") from None
+        _set_plan_value(plan, key, name, value)
     if plan.world_size:
         check_world_size(plan.world_size)
+    if plan.max_batch:
+        from .max_batch import check_max_batch_args
+
+        check_max_batch_args(plan)
     return plan, rest
+
+
+def _set_plan_value(plan: PlanArgs, key: str, name: str, value: str) -> None:
+    """One --plan.KEY VALUE into `plan`, or a one-line error naming what it expects."""
+    from .devices import DEVICES
+
+    try:
+        if key == "world_size":
+            plan.world_size = int(value)
+            if plan.world_size < 1:
+                raise ValueError
+        elif key == "document_tokens":
+            plan.document_tokens = int(value)
+            if plan.document_tokens < 1:
+                raise ValueError
+        elif key in FLAGS:
+            if value not in ("true", "false"):
+                raise ValueError
+            setattr(plan, key, value == "true")
+        elif key == "search_limit":
+            plan.search_limit = int(value)
+            if plan.search_limit < 1:
+                raise ValueError
+        elif key == "device_memory_gib":
+            plan.device_memory_gib = float(value)
+            if not (math.isfinite(plan.device_memory_gib) and plan.device_memory_gib > 0):
+                raise ValueError
+        elif key == "device":
+            if value.lower() not in DEVICES:
+                raise ValueError
+            plan.device = value.lower()
+        else:
+            plan.json = value
+    except ValueError:
+        expected = {"world_size": "a number of ranks >= 1", "device_memory_gib": "a finite number of GiB > 0",
+                    "document_tokens": "a number of tokens >= 1",
+                    "search": "true or false", "max_batch": "true or false", "search_limit": "a number of layouts >= 1",
+                    "device": " or ".join(DEVICES)}[key]
+        raise ConfigError(f"{name} = {value!r}: expected {expected}.") from None
 
 
 def check_json_path(path: str) -> None:
@@ -141,29 +156,40 @@ def main(argv: list[str] | None = None) -> int:
         if plan_args.json:
             check_json_path(plan_args.json)
         config = build_config(load_toml(args.config or DEFAULT_CONFIG), args.overrides)
-        if plan_args.search:
-            from .search import format_search, search, search_json
-
-            result = search(config, plan_args, progress=lambda line: print(line, file=sys.stderr, flush=True))
-        else:
-            report = make_plan(config, plan_args)
+        text, data = _run(config, plan_args)
     except ConfigError as e:
         print(f"plait-plan: error: {e}", file=sys.stderr)
         return exit_codes.CONFIG
-    if plan_args.search:
-        print(format_search(result, config, plan_args))
-    else:
-        from .report import format_report
-
-        print(format_report(report))
+    print(text)
     if plan_args.json:
         try:
             with open(plan_args.json, "w") as f:
-                json.dump(search_json(result) if plan_args.search else report, f, indent=1)
+                json.dump(data, f, indent=1)
         except OSError as e:  # checked before the trace; a disk that filled since
             print(f"plait-plan: error: --plan.json = {plan_args.json!r}: {e.strerror or e}", file=sys.stderr)
             return exit_codes.CONFIG
     return exit_codes.FINISHED
+
+
+def _run(config, plan_args) -> tuple[str, dict]:
+    """What plait-plan prints and what --plan.json holds: a layout search, a max-batch search or a plan."""
+    def progress(line):
+        print(line, file=sys.stderr, flush=True)
+
+    if plan_args.search:
+        from .search import format_search, search, search_json
+
+        result = search(config, plan_args, progress=progress)
+        return format_search(result, config, plan_args), search_json(result)
+    if plan_args.max_batch:
+        from .max_batch import format_max_batch, max_batch, max_batch_json
+
+        result = max_batch(config, plan_args, progress=progress)
+        return format_max_batch(result, config, plan_args), max_batch_json(result, config, plan_args)
+    from .report import format_report
+
+    report = make_plan(config, plan_args)
+    return format_report(report), report
 
 
 if __name__ == "__main__":

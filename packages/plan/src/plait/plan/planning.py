@@ -26,6 +26,7 @@ class PlanArgs:
     json: str | None = None
     search: bool = False
     search_limit: int | None = None
+    max_batch: bool = False
 
 
 def check_world_size(world_size: int) -> None:

@@ -9,6 +9,12 @@ from .devices import GIB, Device, link_gb_s
 HEADROOM = 0.10  # a plan fits when its peak leaves 10% of the device's memory free
 
 
+def tokens_per_gpu_per_step(local_batch: int, seq_len: int, accumulation: int, dp: int, world_size: int) -> float:
+    """The global batch's tokens per step over the world: local batch x seq_len x accumulation x
+    dp / world size (= / (tp x cp x pp)); what the layout search and --plan.max_batch compare."""
+    return local_batch * seq_len * accumulation * dp / world_size
+
+
 def build_report(config, plan, traced, device: Device, device_memory_gib: float, analytic,
                  documents: dict | None = None) -> dict:
     """Everything plait-plan prints, as plain data (the JSON of --plan.json). `documents`: the

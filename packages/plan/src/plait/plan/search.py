@@ -35,7 +35,7 @@ from plait.trainer.config import ConfigError
 from .collectives import wire_factor
 from .comm_guess import comm_guess, model_shape
 from .devices import DEVICES, GIB
-from .report import HEADROOM
+from .report import HEADROOM, tokens_per_gpu_per_step
 
 AC_MODES = ("none", "selective", "full")  # lighter memory last
 MAX_TP = 8  # tensor parallel stays inside an 8-GPU node (its collectives are per block)
@@ -142,8 +142,8 @@ def traced_comm_per_token(report: dict, world_size: int) -> float:
     wire = sum(c["bytes"] * wire_factor(c["kind"], c["ranks"]) for c in report["communication"])
     layout = report["layout"]
     b, s = report["micro_batch"]
-    tokens = b * s * report["gradient_accumulation_steps"] * layout["dp_replicate"] * layout["dp_shard"] / world_size
-    return wire / tokens
+    return wire / tokens_per_gpu_per_step(b, s, report["gradient_accumulation_steps"],
+                                          layout["dp_replicate"] * layout["dp_shard"], world_size)
 
 
 def _with(config, c: Candidate):
