@@ -22,7 +22,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import lease_table  # noqa: E402
 
-RUNS = 18  # gpu/lease.sh's default list: 2 models x 2 masks x 3 plait modes + 2 torchtitan + 4 float8
+RUNS = 22  # lease.sh default: 2 models x 2 masks x 3 plait modes + 2 torchtitan + 4 float8 + 2 chunked + 2 bf16 states
 
 
 def _wheel(folder: Path, name: str) -> None:
