@@ -34,6 +34,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from common import torch_version  # noqa: E402
+from lease_table import prepend  # noqa: E402
 from suite import commit, machine  # noqa: E402
 
 from plait.trainer.plot import draw  # noqa: E402
@@ -164,8 +165,7 @@ def main() -> None:
     text = section(runs, times, figures, args.steps, args.results.resolve().parent, (time.time() - started) / 60)
     print("\n" + text)
     if not args.no_results:
-        title, _, rest = args.results.read_text().partition("\n")
-        args.results.write_text(f"{title}\n\n{text}{rest}")
+        prepend(args.results, text)
         print(f"[bench] added to {args.results}")
 
 
