@@ -28,9 +28,9 @@ def test_document_mask_reaches_attention_and_changes_the_loss(tmp_path, monkeypa
     seen = []
     forward = StepRunner.forward
 
-    def recording(self, tokens_BS, positions, documents_BS, mtp=None):
+    def recording(self, tokens_BS, positions, documents_BS, mtp=None, labels_BS=None):
         seen.append(documents_BS)
-        return forward(self, tokens_BS, positions, documents_BS, mtp)
+        return forward(self, tokens_BS, positions, documents_BS, mtp, labels_BS)
 
     monkeypatch.setattr(StepRunner, "forward", recording)
     causal = train_in_process(tmp_path / "causal", *SMALL, *data)
@@ -90,9 +90,9 @@ def test_validation_runs_document_masked(tmp_path, monkeypatch):
     seen = []
     forward = StepRunner.forward
 
-    def recording(self, tokens_BS, positions, documents_BS, mtp=None):
+    def recording(self, tokens_BS, positions, documents_BS, mtp=None, labels_BS=None):
         seen.append((torch.is_grad_enabled(), documents_BS is not None))
-        return forward(self, tokens_BS, positions, documents_BS, mtp)
+        return forward(self, tokens_BS, positions, documents_BS, mtp, labels_BS)
 
     monkeypatch.setattr(StepRunner, "forward", recording)
     train_in_process(tmp_path / "val", *SMALL, *DOCS, "--data.dataset", "json", "--data.dataset_path", str(path),
