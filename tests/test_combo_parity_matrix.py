@@ -222,6 +222,7 @@ class Layout:
 
 
 DEEPSEEK = ("deepseek_v3",)
+LLAMA = ("llama3",)
 CP1 = {"dp_shard": 1}
 # Pipeline parallel, 2 stages per model: Llama's 2 blocks split evenly, DeepSeek-V3's 3 as [2, 1]
 # (its dense block and first MoE block on stage 0); 4 stages: empty first / last stages hold only the
@@ -368,19 +369,22 @@ LAYOUTS = [
     # Dropless, as the shipped 671B config runs (capacity mode is the same code under pp).
     Layout("PP 2 x EP 2 dropless, 1F1B", 4, {**PP2, "dp_shard": 2, "ep": 2}, models=DEEPSEEK, layers=PP2_LAYERS,
            bf16=False),
-    # 8 ranks with pipeline parallel
+    # 8 ranks with pipeline parallel. At 8 ranks DeepSeek-V3 runs only where Llama 3 cannot show the
+    # composition (expert parallel): its MoE blocks under PP x TP, PP x FSDP, HSDP x TP, HSDP x CP and
+    # FSDP x CP x TP are the 4-rank entries' and the two 8-rank EP entries' (8 ranks share 2 cores
+    # here: a DeepSeek-V3 entry took 14-24 s, a fifth of the matrix's time for five of them, 2026-11-30).
     # bf16 at 8 ranks only where no smaller layout holds the composition (the suite's time, issue 53):
     # HSDP x TP and every parallelism at once. The others' bf16 policies run at 4 ranks (PP 2 x FSDP 2,
     # HSDP 2x2, FSDP 2 x CP 2 ring, FSDP 2 x TP 2, HSDP 2x2 x EP 2) and their fp32 entries here.
     Layout("PP 2 x FSDP 2 x TP 2 (no SP), 1F1B", 8, {**PP2, "dp_shard": 2, "tp": 2, "sequence_parallel": False},
-           layers=PP2_LAYERS, bf16=False),
+           models=LLAMA, layers=PP2_LAYERS, bf16=False),
     Layout("PP 2 x HSDP 2x2, 1F1B", 8, {**PP2, "dp_replicate": 2, "dp_shard": 2, "pipeline_microbatch_size": 1},
-           layers=PP2_LAYERS, bf16=False),
+           models=LLAMA, layers=PP2_LAYERS, bf16=False),
     # 8 ranks
     # FSDP 8 and HSDP 2x4 alone: plait-dataparallel's 8-rank tests (test_dataparallel_eight_ranks.py).
-    Layout("HSDP 2x2 x TP 2", 8, {"dp_replicate": 2, "tp": 2}),
-    Layout("HSDP 2x2 x CP 2 ring", 8, {"dp_replicate": 2, "cp": 2, "cp_method": "ring"}, bf16=False),
-    Layout("FSDP 2 x CP 2 x TP 2", 8, {"cp": 2, "tp": 2}, bf16=False),
+    Layout("HSDP 2x2 x TP 2", 8, {"dp_replicate": 2, "tp": 2}, models=LLAMA),
+    Layout("HSDP 2x2 x CP 2 ring", 8, {"dp_replicate": 2, "cp": 2, "cp_method": "ring"}, models=LLAMA, bf16=False),
+    Layout("FSDP 2 x CP 2 x TP 2", 8, {"cp": 2, "tp": 2}, models=LLAMA, bf16=False),
     Layout("HSDP 2x2 x TP 2 x EP 2", 8, {"dp_replicate": 2, "tp": 2, "ep": 2}, models=DEEPSEEK, bf16=False),
     # Every parallelism at once, with multi-token prediction (the depth's tokens cross CP shards,
     # its MoE block is dispatched over EP 4, its head is loss parallel).

@@ -53,9 +53,15 @@ def _rank_main(rank: int, world_size: int, store_path: str, payload: bytes, sys_
         GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
     )
     try:
+        import gc
+
         import torch
         import torch.distributed as dist
 
+        # The forkserver's imports (torch, DTensor, dynamo, the trainer: ~400k objects) live as
+        # long as the rank: out of the collector's sight, a full collection (the parity matrix
+        # runs one after each job) scans only what the rank made since, ~1 ms instead of 0.3-0.8 s.
+        gc.freeze()
         torch.set_num_threads(1)
         if device == "cuda":
             torch.cuda.set_device(rank % torch.cuda.device_count())

@@ -116,6 +116,11 @@ def serve() -> None:
     if threading.active_count() > 1:  # forking a threaded process is not a fresh start
         print(f"refused: {threading.active_count()} threads after the imports", flush=True)
         return
+    # The imports live as long as every child: frozen, a child's collections never scan them
+    # (and never write to their pages, which the fork shares).
+    import gc
+
+    gc.freeze()
     replies = sys.stdout
     print("ready", flush=True)
     children: dict[int, str] = {}
