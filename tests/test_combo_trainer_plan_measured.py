@@ -175,12 +175,14 @@ above the parameters, buffers and optimizer state. The
 
 
 def test_deepseek_v3_16B_plans_at_64_ranks(tmp_path):
-    """A shipped config at its full world size (FSDP 64 x EP 8, experts FSDP over efsdp 8), as
-    shipped: selective AC around the dropless dispatch and the nested experts unit."""
+    """A shipped config at its full world size (FSDP 64 x EP 8, experts FSDP over efsdp 8), at 2 rows
+    of selective AC (its batch before issue 54's 23 of full AC): selective AC around the dropless
+    dispatch and the nested experts unit."""
     out = tmp_path / "plan.json"
     result = subprocess.run(
         [sys.executable, "-m", "plait.plan.cli", "--config", "deepseek_v3_16B.toml", "--plan.world_size",
-         "64", "--model.tokenizer_path", "", "--job.dump_folder", str(tmp_path), "--plan.json", str(out)],
+         "64", "--model.tokenizer_path", "", "--job.dump_folder", str(tmp_path), "--plan.json", str(out),
+         "--training.activation_checkpoint", "selective", "--training.local_batch_size", "2"],
         capture_output=True, text=True, env={**cli_env(), "OMP_NUM_THREADS": "1"}, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]

@@ -8,11 +8,12 @@ Each config runs at the world size it is written for (the same counts as the mem
 test, packages/trainer/tests/test_trainer_memory_estimate.py), with its own degrees, micro-batch
 and AC mode; the tokenizer is the shipped one (the configs name files a clone does not have; only
 the vocabulary size matters to a plan). Tokens per GPU per step are the global batch's tokens over
-the world (plait-plan's count); beside them, in brackets where it differs, the same for the config
-as it stood at BASELINE_COMMIT, before `plait-plan --plan.max_batch` set its batch (issue 54; read
-with git, left out where the history is not there). Pipeline-parallel configs are traced stage by stage (rank
-0's stages); a config the planner cannot trace gets a row saying so instead of failing the table.
-Nobody types these numbers.
+the world (plait-plan's count); beside them, the same at the micro-batch and AC mode each config
+shipped with at BASELINE_COMMIT, before `plait-plan --plan.max_batch` set them (issue 54; BEFORE,
+copied from that commit's configs so that a clone without the history prints them too; every other
+setting of those configs is today's). Pipeline-parallel configs are traced stage by stage (rank 0's
+stages); a config the planner cannot trace gets a row saying so instead of failing the table.
+Nobody types these numbers but BEFORE's.
 """
 
 import argparse
@@ -29,8 +30,14 @@ from parity_table import write_readme  # tools/ is on sys.path when this script 
 ROOT = Path(__file__).resolve().parent.parent
 START, END = "<!-- plan-table:start -->", "<!-- plan-table:end -->"
 GIB = 2**30
-BASELINE_COMMIT = "4e8c30b"  # the shipped configs before issue 54's batch search
-CONFIG_DIR = "packages/trainer/src/plait/trainer/configs"
+BASELINE_COMMIT = "f8aade2"  # the shipped configs before issue 54's batch search
+# config -> (training.local_batch_size, training.activation_checkpoint) at BASELINE_COMMIT
+# (`git show f8aade2:packages/trainer/src/plait/trainer/configs/NAME.toml`)
+BEFORE = {
+    "llama3_8B": (1, "selective"), "llama3_8B_64k_cp": (1, "full"), "llama3_70B": (8, "full"),
+    "llama3_405B": (16, "full"), "deepseek_v3_16B": (2, "selective"), "deepseek_v3_236B": (4, "full"),
+    "deepseek_v3_671B": (16, "full"),
+}
 # config -> ranks it is written for
 CONFIGS = {
     "llama3_8B": 8, "llama3_8B_64k_cp": 8, "llama3_70B": 64, "llama3_405B": 512,
@@ -74,33 +81,22 @@ def plan(name: str, world: int) -> dict:
     return report
 
 
-def tokens_per_gpu(report: dict) -> float:
+def tokens_per_gpu(report: dict, local_batch: int | None = None) -> float:
+    """Tokens per GPU per step of the planned config, or of the same at another local batch."""
     from plait.plan.report import tokens_per_gpu_per_step
 
     b, s = report["micro_batch"]
     layout = report["layout"]
-    return tokens_per_gpu_per_step(b, s, report["gradient_accumulation_steps"], layout["dp_replicate"] *
-                                   layout["dp_shard"], layout["world_size"])
+    return tokens_per_gpu_per_step(local_batch or b, s, report["gradient_accumulation_steps"],
+                                   layout["dp_replicate"] * layout["dp_shard"], layout["world_size"])
 
 
-def baseline_tokens_per_gpu(name: str) -> float | None:
-    """Tokens per GPU per step of the config at BASELINE_COMMIT (None without that history)."""
-    import tomllib
-
-    shown = subprocess.run(["git", "show", f"{BASELINE_COMMIT}:{CONFIG_DIR}/{name}.toml"], cwd=ROOT,
-                           capture_output=True, text=True)
-    if shown.returncode:
-        return None
-    from plait.trainer.config import build_config
-
-    config = build_config(tomllib.loads(shown.stdout))  # the trainer's defaults for what it leaves out
-    t, p = config.training, config.parallelism
-    return t.local_batch_size * t.seq_len * t.gradient_accumulation_steps / (p.tp * p.cp * max(1, p.pp))
-
-
-def _tokens(name: str, report: dict) -> str:
-    now, before = tokens_per_gpu(report), baseline_tokens_per_gpu(name)
-    return f"{now:,.0f}" + (f" ({before:,.0f})" if before is not None and before != now else "")
+def _before(name: str, report: dict) -> str:
+    """The BASELINE_COMMIT cell: its micro-batch and AC mode, and their tokens per GPU per step."""
+    if name not in BEFORE:
+        return "-"
+    batch, ac = BEFORE[name]
+    return f"{tokens_per_gpu(report, batch):,.0f} ({batch}, {ac})"
 
 
 def _layout(layout: dict) -> str:
@@ -129,8 +125,8 @@ def _comm(report: dict) -> str:
 
 
 def render(rows: list[tuple[str, int, dict]], commit: str) -> str:
-    head = ["config", "ranks", "layout", "micro-batch x accumulation, AC",
-            f"tokens / GPU / step (at {BASELINE_COMMIT})", "peak / rank (GiB)",
+    head = ["config", "ranks", "layout", "micro-batch x accumulation, AC", "tokens / GPU / step",
+            f"tokens / GPU / step before ({BASELINE_COMMIT}'s micro-batch, AC)", "peak / rank (GiB)",
             "what dominates the peak (GiB at the peak)", "model state / rank (GiB)", "comm / step (largest); ideal comm time",
             "fits H100 80 GB (67.1 GiB usable)"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -139,14 +135,14 @@ def render(rows: list[tuple[str, int, dict]], commit: str) -> str:
             note = r["error"].removeprefix("plait-plan: error: ")
             if "pipeline stages" in note:
                 note = f"pp: not traced yet ({note})"
-            lines.append(f"| {name} | {world} | | | | | {note} | | | not planned |")
+            lines.append(f"| {name} | {world} | | | | | | {note} | | | not planned |")
             continue
         m = r["memory"]
         b, s = r["micro_batch"]
         state = (m["parameters"] + m["gradients"] + m["optimizer"]) / GIB
         lines.append(
             f"| {name} | {world} | {_layout(r['layout'])}{''.join(f' ({n})' for n in r['notes'])} | {b} x {s} x {r['gradient_accumulation_steps']}, "
-            f"{r['activation_checkpoint']} | {_tokens(name, r)} | {m['peak'] / GIB:.1f} | {_dominant(r)} | {state:.1f} | {_comm(r)} | "
+            f"{r['activation_checkpoint']} | {tokens_per_gpu(r):,.0f} | {_before(name, r)} | {m['peak'] / GIB:.1f} | {_dominant(r)} | {state:.1f} | {_comm(r)} | "
             f"{'yes' if r['fits'] else '**no**'} |"
         )
     seconds = sum(r.get("seconds", 0) for _, _, r in rows)
