@@ -172,3 +172,12 @@ def test_max_batch_refusals_are_one_line_and_exit_2(flags, words, tmp_path, monk
     err = capsys.readouterr().err.strip()
     assert err.startswith("plait-plan: error: ") and words in err and "\n" not in err
 
+
+
+def test_two_nearly_equal_peaks_double_instead_of_drawing_a_line_to_the_cap():
+    """DeepSeek-V3 16B at full AC: batches 1 and 2 both peak at the model state (29.26 GiB); a line
+    through them reached the 1024 ceiling, an 8-minute trace. Rows that add under 1% double."""
+    from plait.plan.max_batch import _next_probe
+
+    assert _next_probe({1: 29.26, 2: 29.27}, lo=2, hi=None, top=1024, usable=67.1) == 4
+    assert _next_probe({1: 15.02, 2: 22.78}, lo=2, hi=None, top=1024, usable=67.1) == 7  # the line
