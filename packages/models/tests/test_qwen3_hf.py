@@ -1,6 +1,7 @@
 """Qwen3 <-> transformers' Qwen3ForCausalLM and Qwen3MoeForCausalLM (tiny configs built here, fp32):
 the same logits both ways, exports that round-trip, and training steps that match transformers' own."""
 
+import dataclasses
 import json
 
 import pytest
@@ -143,6 +144,8 @@ def test_what_hugging_face_cannot_hold_is_refused_in_one_line():
         model.layers["1"].moe.router.expert_bias[0] = 0.5
     with pytest.raises(ValueError, match=r"^layers\.1\.moe\.router\.expert_bias is not zero .*load_balance_coeff[^\n]*$"):
         adapter.to_hf(model.state_dict(), args)
+    with pytest.raises(ValueError, match=r"^Hugging Face's Qwen3-MoE routes without a selection bias .*load_balance_coeff 0"):
+        adapter.hf_config(dataclasses.replace(args, load_balance_coeff=1e-3))  # refused before a run trains it
     config = adapter.hf_config(args)
     for change, field in [({"use_sliding_window": True}, "use_sliding_window"), ({"mlp_only_layers": [0]}, "mlp_only_layers"),
                           ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),

@@ -46,4 +46,10 @@ def test_head_dim_is_its_own_setting_and_zero_experts_is_dense():
     assert check(("model.dim", "200"), ("model.head_dim", "48"))
     # The MoE flavor with no routed experts is the dense model (its top-k is then unused).
     assert check(("model.flavor", "debugmodel_moe"), ("model.n_routed_experts", "0"))
-    assert check(("model.flavor", "debugmodel_moe"), ("checkpoint.enable", "true"), ("checkpoint.last_save_in_hf", "true"))
+    export = [("model.flavor", "debugmodel_moe"), ("checkpoint.enable", "true"), ("checkpoint.last_save_in_hf", "true")]
+    assert check(*export)
+    # Auxiliary-loss-free balancing has no Hugging Face form: refused before step 1, in one line.
+    with pytest.raises(ConfigError) as info:
+        check(*export, ("model.load_balance_coeff", "0.001"))
+    assert str(info.value).startswith("checkpoint.last_save_in_hf = true but qwen3 debugmodel_moe cannot be exported: "
+                                      "Hugging Face's Qwen3-MoE routes without a selection bias") and "\n" not in str(info.value)

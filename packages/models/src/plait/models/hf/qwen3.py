@@ -128,6 +128,11 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str
 def hf_config(args: ModelArgs) -> dict:
     """`config.json` for Qwen3ForCausalLM, or Qwen3MoeForCausalLM when the model routes experts, in
     the released checkpoints' format (rope_theta at the top), which transformers 4.5x and 5.x read."""
+    if args.is_moe and args.load_balance_coeff > 0:
+        raise ValueError(f"Hugging Face's Qwen3-MoE routes without a selection bias and this model balances its experts "
+                         f"with one (load_balance_coeff = {args.load_balance_coeff}), so an export would pick other experts: "
+                         "train with --model.load_balance_coeff 0 (balance with model.aux_loss_coeff) to export to Hugging "
+                         "Face, or keep plait's own checkpoint")  # fmt: skip
     config = {
         "architectures": [HF_MOE_ARCHITECTURE if args.is_moe else HF_ARCHITECTURE],
         "model_type": "qwen3_moe" if args.is_moe else "qwen3",
