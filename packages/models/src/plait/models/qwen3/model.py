@@ -1,7 +1,7 @@
 """Qwen3 (Qwen Team, 2025): Llama's pre-norm decoder with grouped-query attention whose queries and
-keys are RMS-normalised per head before RoPE (QK-norm, which keeps attention logits bounded without
-the biases of Qwen2), and blocks that are either a SwiGLU (dense Qwen3) or a mixture of experts with
-softmax top-k routing and no shared expert (Qwen3-MoE).
+keys are RMS-normalised per head before RoPE (QK-norm, in place of Qwen2's QKV biases: it keeps the
+attention logits from growing, for stable training), and blocks that are either a SwiGLU (dense
+Qwen3) or a mixture of experts with softmax top-k routing and no shared expert (Qwen3-MoE).
 
 Plain single-device PyTorch. Parallelism is applied from outside using the data that
 `Transformer.parallel_info()` returns (plan.py, docs/contracts.md); shapes are inferred from
