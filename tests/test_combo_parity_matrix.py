@@ -75,8 +75,8 @@ JOBS_PER_SPAWN = 16
 MODELS = ("llama3", "deepseek_v3")
 # Qwen3 (issue 52): its per-head q/k norms (TP's head_norm, CP, PP) and its MoE blocks (softmax
 # top-k, no shared expert: EP, FSDP x TP x EP), in these layouts only (the suite's time): FSDP 2,
-# TP 2 + SP + loss parallel, CP 2 ring with documents (and its bf16 anchor), PP 2 1F1B, EP 2 and
-# FSDP 2 x TP 2 x EP 2. A matrix model is a (plait model, flavor) pair: QWEN3_FLAVORS.
+# TP 2 + SP + loss parallel, CP 2 ring with documents (fp32), PP 2 1F1B, EP 2 and FSDP 2 x TP 2 x
+# EP 2. A matrix model is a (plait model, flavor) pair: QWEN3_FLAVORS.
 QWEN3 = ("qwen3", "qwen3_moe")
 QWEN3_MOE = ("qwen3_moe",)
 QWEN3_FLAVORS = {"qwen3": ("qwen3", "debugmodel"), "qwen3_moe": ("qwen3", "debugmodel_moe")}
@@ -283,11 +283,18 @@ LAYOUTS = [
     Layout("CP 2 ring x EP 2", 2, {"cp": 2, **CP1, "ep": 2, "cp_method": "ring"}, models=DEEPSEEK),
     Layout("TP 2 x EP 2 (etp 1) capacity, no SP", 2,
            {"tp": 2, "ep": 2, "sequence_parallel": False, "expert_capacity_factor": 8}, models=DEEPSEEK),
-    Layout("FSDP 2, document mask", 2, model_args=DOCS, models=MODELS + QWEN3),
+    Layout("FSDP 2, document mask", 2, model_args=DOCS),
     Layout("CP 2 all-gather, document mask, 2 load-balance rounds", 2,
            {"cp": 2, **CP1, "cp_method": "allgather", "cp_load_balance_rounds": 2}, model_args=DOCS),
     Layout("CP 2 ring, document mask, chunked loss", 2, {"cp": 2, **CP1, "cp_method": "ring"}, CHUNKED,
-           model_args=DOCS, models=MODELS + QWEN3),
+           model_args=DOCS),
+    # Qwen3 in fp32 only: its bf16 entries would need their own "FSDP 2, document mask" anchors (the
+    # suite's time), and qwen3_moe's failed in bf16 (measured 2026-11-30): ring attention's other
+    # summation order flipped top-2 choices at step 1 that the one-rank floor's run did not, moving
+    # layers.0.ffn_norm's gradient 5.0e-2 from the anchor's (bound 1.9e-2) while every loss stayed
+    # within 8.3e-5 (bound 2.4e-3); in fp32 both agree to 2.8e-6. Qwen3's bf16 under CP: none yet.
+    Layout("CP 2 ring, document mask, chunked loss (fp32)", 2, {"cp": 2, **CP1, "cp_method": "ring"}, CHUNKED,
+           model_args=DOCS, models=QWEN3, bf16=False),
     Layout("CP 2 Ulysses, document mask", 2, {"cp": 2, **CP1, "cp_method": "ulysses"}, model_args=DOCS),
     Layout("CP 2 ring x EP 2, document mask", 2, {"cp": 2, **CP1, "ep": 2, "cp_method": "ring"},
            models=DEEPSEEK, model_args=DOCS),
