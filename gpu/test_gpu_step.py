@@ -24,6 +24,9 @@ from plait.testing.trainer import parity_args, train_in_process
 LLAMA = ["--config", "llama3_debugmodel", "--model.n_layers", "2", "--training.local_batch_size", "2"]
 # 3 layers: 1 dense + 2 MoE (the debug flavor's first layer is dense).
 DSV3 = ["--config", "deepseek_v3_debugmodel", "--model.n_layers", "3", "--training.local_batch_size", "2"]
+# Qwen3-MoE (issue 52): 2 blocks, both MoE (softmax top-2 of 8, no shared expert), q/k head norms.
+QWEN3_MOE = ["--config", "qwen3_debugmodel", "--model.flavor", "debugmodel_moe", "--model.n_layers", "2",
+             "--training.local_batch_size", "2"]  # fmt: skip
 MOE_LAYERS = 2
 
 
@@ -87,11 +90,13 @@ def test_document_masked_llama_step_makes_no_host_sync(device, tmp_path):
         assert watch.cuda_syncs == [0] * 3, watch.cuda_messages[:5]
 
 
+@pytest.mark.parametrize("model", [DSV3, QWEN3_MOE], ids=["deepseek_v3", "qwen3_moe"])
 @pytest.mark.parametrize("capacity", ["0", "2.0"], ids=["dropless", "capacity"])
-def test_moe_step_at_one_rank_makes_no_host_sync(device, tmp_path, capacity):
+def test_moe_step_at_one_rank_makes_no_host_sync(device, tmp_path, capacity, model):
     """CUDA branch: plait/models/moe (grouped_mm experts, permute indices) at ep 1 -- no sync in
-    either expert_capacity_factor setting (the counted sync belongs to the ep > 1 dispatch)."""
-    args = [*DSV3, *_bf16(device), "--parallelism.expert_capacity_factor", capacity]
+    either expert_capacity_factor setting (the counted sync belongs to the ep > 1 dispatch), for
+    DeepSeek-V3's blocks and Qwen3-MoE's."""
+    args = [*model, *_bf16(device), "--parallelism.expert_capacity_factor", capacity]
     watch, rows = _run(tmp_path, device, "error", *args)
     assert watch.step_counts() == [(0, 0)] * 3, watch.report()
     if device.type == "cuda":

@@ -41,7 +41,8 @@ BEFORE = {
 # config -> ranks it is written for
 CONFIGS = {
     "llama3_8B": 8, "llama3_8B_64k_cp": 8, "llama3_70B": 64, "llama3_405B": 512,
-    "deepseek_v3_16B": 8, "deepseek_v3_236B": 256, "deepseek_v3_671B": 512,
+    "deepseek_v3_16B": 8, "deepseek_v3_236B": 256, "deepseek_v3_671B": 512, "kimi_k2": 512,
+    "qwen3_8B": 8, "qwen3_30B_A3B": 16, "qwen3_235B_A22B": 256,
 }
 KINDS = {"Parameter": "parameters", "Gradient": "gradients", "Optstate": "optimizer state", "Activation": "activations",
          "Temp": "temporaries", "Buffer": "buffers", "Other": "other"}

@@ -9,8 +9,9 @@ import torch
 from plait.models.deepseek_v3 import FLAVORS, ModelArgs, Transformer
 from plait.models.deepseek_v3.rope import softmax_scale, yarn_frequencies
 
-# Published totals and activated parameters (DeepSeek-V2-Lite, V2, V3 papers).
-PUBLISHED = {"16B": (15.7e9, 2.4e9), "236B": (236e9, 21e9), "671B": (671e9, 37e9)}
+# Published totals and activated parameters (DeepSeek-V2-Lite, V2, V3 papers; Kimi K2's model card:
+# 32B activated, the total as its Hugging Face page counts the release, 1.03T, the card's "1T").
+PUBLISHED = {"16B": (15.7e9, 2.4e9), "236B": (236e9, 21e9), "671B": (671e9, 37e9), "kimi_k2": (1.03e12, 32e9)}
 
 
 def _tiny(**overrides) -> ModelArgs:
@@ -63,6 +64,19 @@ def test_flavor_builds_on_meta_with_counted_params(name):
         # without the input embedding (a lookup, not compute) all three land within 2.5%.
         # 671B: 37.55B with it, 36.63B without.
         assert abs((active - args.vocab_size * args.dim) / published_active - 1) < 0.025
+
+
+def test_kimi_k2_is_deepseek_v3_at_its_released_size():
+    args = FLAVORS["kimi_k2"]
+    with torch.device("meta"):
+        model = Transformer(args)
+    assert model.param_counts() == (1_026_408_209_408, 32_861_477_888)
+    assert (args.n_routed_experts, args.n_shared_experts, args.n_heads, args.n_dense_layers) == (384, 1, 64, 1)
+    assert (args.n_expert_groups, args.n_limited_groups, args.route_scale) == (1, 1, 2.827)
+    # YaRN x32 over 4096 positions from theta 50000, beta_fast = beta_slow = 1: on at 16K positions.
+    assert args.uses_yarn and (args.rope_theta, args.rope_factor, args.beta_fast, args.beta_slow) == (5e4, 32, 1, 1)
+    freqs, plain = yarn_frequencies(args), yarn_frequencies(dataclasses.replace(args, rope_factor=1.0))
+    assert freqs[0] == plain[0] and freqs[-1] == pytest.approx(plain[-1] / 32)
 
 
 def test_671b_is_v3_and_its_flops_count_active_experts_only():

@@ -202,3 +202,37 @@ def test_mtp_depths_round_trip_in_the_release_naming(tmp_path):
     no_mtp = {n: t for n, t in hf_sd.items() if not n.startswith(f"model.layers.{N}.")}
     with pytest.raises(ValueError, match=r"does not match Transformer: missing mtp\.0\.\S+ \(and \d+ more\)\n"):
         check_matches_model(adapter.from_hf(no_mtp, one), Transformer, one)
+
+
+def test_kimi_k2_release_naming_imports_with_identical_logits(tmp_path):
+    """Kimi K2 ships DeepSeek-V3's architecture and weight names: its flavor's config survives the
+    round trip, and a transformers model of its routing and YaRN at a tiny size imports exactly."""
+    from plait.models.deepseek_v3 import FLAVORS
+    from plait.models.hf.io import load_safetensors
+
+    kimi = FLAVORS["kimi_k2"]
+    assert adapter.args_from_hf_config(adapter.hf_config(kimi)) == kimi
+    args = dataclasses.replace(kimi, vocab_size=128, dim=64, inter_dim=128, moe_inter_dim=32, n_layers=2, n_heads=4,
+                               n_routed_experts=8, n_activated_experts=2, q_lora_rank=32, kv_lora_rank=32,
+                               qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, max_seq_len=256,
+                               original_seq_len=64)  # fmt: skip
+    config = transformers.DeepseekV3Config(
+        **{k: v for k, v in adapter.hf_config(args).items() if k not in ("architectures", "model_type")}
+    )
+    torch.manual_seed(2)
+    hf = transformers.DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "experts" in name or name.endswith("gate.weight"):
+                p.normal_(0, 0.1)
+            elif "self_attn" in name and name.endswith("proj.weight"):
+                p.mul_(5)
+        for m in hf.modules():
+            if hasattr(m, "e_score_correction_bias"):
+                m.e_score_correction_bias.normal_(0, 0.1)
+    hf.save_pretrained(tmp_path, max_shard_size="100KB")
+    model = Transformer(args)
+    model.load_state_dict(adapter.from_hf(load_safetensors(tmp_path), args), strict=True)
+    tokens = torch.randint(0, args.vocab_size, (2, 80))  # past original_seq_len: YaRN's frequencies matter
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=1e-5, rtol=1e-5)

@@ -1,11 +1,11 @@
-"""Document masking on one process: a packed row equals each document run alone, both models."""
+"""Document masking on one process: a packed row equals each document run alone, every model."""
 
 import dataclasses
 
 import pytest
 import torch
 
-from plait.models import deepseek_v3, llama3
+from plait.models import deepseek_v3, llama3, qwen3
 from plait.models.documents import row_segments
 
 # One row packs: the tail of a document (starts mid-document at offset 5), a 1-token document,
@@ -33,6 +33,15 @@ def _deepseek(**overrides):
     return deepseek_v3.Transformer, dataclasses.replace(deepseek_v3.FLAVORS["debugmodel"], **small)
 
 
+def _qwen3(**overrides):
+    small = dict(vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, inter_dim=96, max_seq_len=128)
+    return qwen3.Transformer, dataclasses.replace(qwen3.FLAVORS["debugmodel"], **small, **overrides)
+
+
+def _qwen3_moe(**overrides):
+    return _qwen3(n_routed_experts=4, n_activated_experts=2, moe_inter_dim=32, **overrides)
+
+
 def _build(family, seed=0, **overrides):
     cls, args = family(**overrides)
     torch.manual_seed(seed)
@@ -49,7 +58,8 @@ def test_row_segments_cut_at_zeros_and_row_start():
 
 
 @pytest.mark.parametrize("rope", ["document", "sequence"])
-@pytest.mark.parametrize("family", [_llama, _deepseek], ids=["llama3", "deepseek_v3"])
+@pytest.mark.parametrize("family", [_llama, _deepseek, _qwen3, _qwen3_moe],
+                         ids=["llama3", "deepseek_v3", "qwen3", "qwen3_moe"])
 def test_packed_row_equals_each_document_alone(family, rope):
     """Every token's logits and the summed loss's gradients equal running each document alone."""
     packed = _build(family, attention_mask="document", rope_positions=rope)

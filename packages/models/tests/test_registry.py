@@ -21,9 +21,10 @@ def test_build_model_on_meta_with_overrides():
     assert get_model_args("llama3", "debugmodel").dim == 256
 
 
-def test_deepseek_v3_has_an_entry():
-    # Registered lazily: listing it imports nothing.
-    assert {"llama3", "deepseek_v3"} <= set(list_models())
+def test_deepseek_v3_and_qwen3_have_entries():
+    # Registered lazily: listing them imports nothing.
+    assert {"llama3", "deepseek_v3", "qwen3"} <= set(list_models())
+    assert get_model_args("qwen3", "debugmodel_moe").is_moe and not get_model_args("qwen3", "debugmodel").is_moe
 
 
 def test_unknown_names():

@@ -117,7 +117,8 @@ def test_host_memory_is_shared_by_the_local_ranks():
 SHIPPED_WORLDS = {
     "llama3_debugmodel": 1, "deepseek_v3_debugmodel": 1, "llama3_1B": 8, "llama3_3B": 8, "llama3_8B": 8,
     "llama3_8B_64k_cp": 8, "llama3_70B": 64, "llama3_405B": 512, "deepseek_v3_16B": 8,
-    "deepseek_v3_236B": 256, "deepseek_v3_671B": 512,
+    "deepseek_v3_236B": 256, "deepseek_v3_671B": 512, "kimi_k2": 512,
+    "qwen3_debugmodel": 1, "qwen3_8B": 8, "qwen3_30B_A3B": 16, "qwen3_235B_A22B": 256,
 }
 
 

@@ -100,13 +100,21 @@ def publish_hf_folder(tmp: Path, output: Path, spec, args, dtype: torch.dtype, w
     return hf_output.publish(tmp, output, where)
 
 
+def hf_architectures(adapter) -> tuple[str, ...]:
+    """The HF architectures an adapter reads: `HF_ARCHITECTURES` (one plait model, several HF
+    classes, e.g. Qwen3 and Qwen3-MoE) or its one `HF_ARCHITECTURE`; () when it names none."""
+    if hasattr(adapter, "HF_ARCHITECTURES"):
+        return tuple(adapter.HF_ARCHITECTURES)
+    return (adapter.HF_ARCHITECTURE,) if hasattr(adapter, "HF_ARCHITECTURE") else ()
+
+
 def _matching_model(config: dict) -> str | None:
     """The plait model whose adapter writes `config`'s architecture."""
     from plait.models import get_model_spec, list_models
 
     architecture = (config.get("architectures") or [None])[0]
     for name in list_models():
-        if getattr(get_model_spec(name).hf_adapter, "HF_ARCHITECTURE", None) == architecture:
+        if architecture in hf_architectures(get_model_spec(name).hf_adapter):
             return name
     return None
 
@@ -125,7 +133,7 @@ def check_hf_folder(path: str | Path, model: str, flavor: str, model_args=None):
     except ValueError as e:
         raise store.CheckpointError(f"{where}: config.json is not valid JSON ({e})") from None
     architecture = (config.get("architectures") or [config.get("model_type")])[0]
-    if architecture != getattr(spec.hf_adapter, "HF_ARCHITECTURE", architecture):
+    if hf_architectures(spec.hf_adapter) and architecture not in hf_architectures(spec.hf_adapter):
         other = _matching_model(config)
         fix = (f"set model.name = {other} (and model.flavor to its size)" if other
                else "plait has no model for it")
@@ -135,9 +143,9 @@ def check_hf_folder(path: str | Path, model: str, flavor: str, model_args=None):
     except (KeyError, ValueError) as e:
         raise store.CheckpointError(f"{where}: its config.json cannot be read as {model} ({e})") from None
     # max_seq_len only sizes the RoPE tables; the run chooses how many multi-token-prediction depths
-    # it trains (the folder's are loaded up to them; more than it holds fails as missing tensors)
-    # and their loss weight. Every other size must be the flavor's.
-    chosen = ("max_seq_len", "depth_init", "mtp_layers", "mtp_loss_scale")
+    # it trains (the folder's are loaded up to them; more than it holds fails as missing tensors),
+    # their loss weight, and how it balances its experts. Every other size must be the flavor's.
+    chosen = ("max_seq_len", "depth_init", "mtp_layers", "mtp_loss_scale", "aux_loss_coeff", "load_balance_coeff")
 
     def same(a):
         return dataclasses.replace(hf_args, **{f: getattr(a, f) for f in chosen if hasattr(a, f)}) == a

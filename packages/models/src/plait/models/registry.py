@@ -38,6 +38,12 @@ _REGISTRY: dict[str, dict[str, str]] = {
         "hf_adapter": "plait.models.hf.deepseek_v3",
     },
     # ---- end DeepSeek-V3 ----
+    # Qwen3 dense and Qwen3-MoE: one model, the flavor (n_routed_experts) picks the block kind.
+    "qwen3": {
+        "flavors": "plait.models.qwen3.flavors:FLAVORS",
+        "model_cls": "plait.models.qwen3.model:Transformer",
+        "hf_adapter": "plait.models.hf.qwen3",
+    },
 }
 
 

@@ -18,9 +18,10 @@ from .config import Config, ConfigError, coerce
 # field -> (smallest valid value, whether the bound itself is allowed); None values are skipped.
 _AT_LEAST = {
     # sizes
-    "dim": (1, True), "n_layers": (1, True), "n_heads": (1, True), "n_kv_heads": (1, True),
+    "dim": (1, True), "n_layers": (1, True), "n_heads": (1, True), "n_kv_heads": (1, True), "head_dim": (2, True),
     "vocab_size": (1, True), "multiple_of": (1, True), "max_seq_len": (1, True),
-    "inter_dim": (1, True), "moe_inter_dim": (1, True), "n_routed_experts": (1, True),
+    "inter_dim": (1, True), "moe_inter_dim": (1, True),
+    "n_routed_experts": (1, True),  # (qwen3: 0 is a dense model, its own table below)
     "n_shared_experts": (0, True), "n_dense_layers": (0, True),
     "n_expert_groups": (1, True), "n_limited_groups": (1, True),
     "q_lora_rank": (0, True),  # 0: no low-rank query path
@@ -39,14 +40,19 @@ _AT_LEAST = {
 _CHOICES = {"attention_mask": ("causal", "document"), "rope_positions": ("sequence", "document")}
 
 
+# Models whose own args take a lower bound than the shared table's: model name -> field -> bound.
+_AT_LEAST_BY_MODEL = {"qwen3": {"n_routed_experts": (0, True)}}
+
+
 def _range(low: float, inclusive: bool) -> str:
     return f">= {low}" if inclusive else f"> {low}"
 
 
-def check_model_args(values: dict, where: str) -> None:
+def check_model_args(values: dict, where: str, model: str = "") -> None:
     """Raise a ConfigError naming the first field of `values` (field -> value, the flavor's with
-    the overrides applied) out of its range, and the range; `where` names the model and flavor."""
-    for field, (low, inclusive) in _AT_LEAST.items():
+    the overrides applied) out of its range, and the range; `where` names the model and flavor,
+    `model` the model name (a few bounds are its own: _AT_LEAST_BY_MODEL)."""
+    for field, (low, inclusive) in {**_AT_LEAST, **_AT_LEAST_BY_MODEL.get(model, {})}.items():
         value = values.get(field)
         if value is None or isinstance(value, bool) or not isinstance(value, int | float):
             continue
@@ -65,15 +71,28 @@ def check_model_args(values: dict, where: str) -> None:
         ("n_limited_groups", 1, "n_expert_groups"),
         ("n_dense_layers", 0, "n_layers"),
     ]
+    if values.get("n_routed_experts") == 0:  # a dense Qwen3: no router, its top-k is unused
+        pairs = pairs[1:]
     for field, low, upper in pairs:
         if field in values and upper in values and not low <= values[field] <= values[upper]:
             raise ConfigError(f"model.{field} = {values[field]} ({where}): must be in [{low}, {upper} = "
                               f"{values[upper]}].")
-    divisible = [("dim", "n_heads"), ("n_heads", "n_kv_heads"), ("n_routed_experts", "n_expert_groups")]
-    for field, by in divisible:
+    _check_head_sizes(values, where)
+    for field, by in [("n_heads", "n_kv_heads"), ("n_routed_experts", "n_expert_groups")]:
         if values.get(field) and values.get(by) and values[field] % values[by]:
             raise ConfigError(f"model.{field} = {values[field]} ({where}) is not divisible by model.{by} = "
                               f"{values[by]}: choose values where it is.")
+
+
+def _check_head_sizes(values: dict, where: str) -> None:
+    """The head size: model.head_dim where a model sets it on its own (Qwen3), else dim / n_heads."""
+    if "head_dim" in values:
+        if values["head_dim"] % 2:
+            raise ConfigError(f"model.head_dim = {values['head_dim']} ({where}): must be even for RoPE.")
+        return
+    if values.get("dim") and values.get("n_heads") and values["dim"] % values["n_heads"]:
+        raise ConfigError(f"model.dim = {values['dim']} ({where}) is not divisible by model.n_heads = "
+                          f"{values['n_heads']}: choose values where it is.")
     if values.get("dim") and values.get("n_heads") and "n_kv_heads" in values and (values["dim"] // values["n_heads"]) % 2:
         raise ConfigError(f"model.dim / model.n_heads = {values['dim'] // values['n_heads']} ({where}): the head "
                           "dim must be even for RoPE.")
@@ -117,7 +136,8 @@ def resolve_model_args(config: Config, spec=None):
             )
         values[name] = _coerce_model_arg(f"model.{name}", hints[name], value)
     # Ranges first: a dim or n_heads of 0 would otherwise be a ZeroDivisionError in the args.
-    check_model_args({**{f: getattr(base, f) for f in names}, **values}, f"{config.model.name} {config.model.flavor}")
+    check_model_args({**{f: getattr(base, f) for f in names}, **values}, f"{config.model.name} {config.model.flavor}",
+                     config.model.name)
     try:
         return dataclasses.replace(base, **values)
     except (ValueError, TypeError) as e:

@@ -40,10 +40,11 @@ class CommConfig:
 
 @dataclass
 class ModelConfig:
-    name: Literal["llama3", "deepseek_v3"] = "llama3"
+    name: Literal["llama3", "deepseek_v3", "qwen3"] = "llama3"
     """Model family in the plait.models registry."""
     flavor: str = "debugmodel"
-    """Size within the family: llama3 debugmodel, 1B, 3B, 8B, 70B, 405B; deepseek_v3 debugmodel, 16B, 236B, 671B."""
+    """Size within the family: llama3 debugmodel, 1B, 3B, 8B, 70B, 405B; deepseek_v3 debugmodel, 16B, 236B, 671B,
+    kimi_k2; qwen3 debugmodel, debugmodel_moe, 0.6B, 1.7B, 4B, 8B, 14B, 32B, 30B-A3B, 235B-A22B."""
     tokenizer_path: str = ""
     """Tokenizer file, chosen by what it is: a Hugging Face `tokenizer.json` (or a folder with one; BOS/EOS
     from the `tokenizer_config.json` beside it) through `tokenizers`, else a tiktoken BPE `tokenizer.model`;

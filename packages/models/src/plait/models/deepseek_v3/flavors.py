@@ -1,4 +1,5 @@
-"""Named DeepSeek configurations: a tiny debug model and the published V2-Lite, V2 and V3 sizes.
+"""Named DeepSeek configurations: a tiny debug model, the published V2-Lite, V2 and V3 sizes, and
+Kimi K2 (Moonshot AI, 2025: DeepSeek-V3's architecture at 1T parameters, released under its weight names).
 
 RoPE tables are built for 16K positions (torchtitan's choice; YaRN is on because that exceeds the
 original 4K). Override `max_seq_len` for longer context, e.g. 163840 as in the released configs.
@@ -95,6 +96,37 @@ FLAVORS: dict[str, ModelArgs] = {
         qk_nope_head_dim=128,
         qk_rope_head_dim=64,
         v_head_dim=128,
+        mscale=1.0,
+    ),
+    # Kimi K2 (1.04T total, 32B active): 384 routed experts (top-8, no expert groups), 1 shared, one
+    # dense block, 64 heads; RoPE theta 50000 with YaRN x32 over 4096 positions (beta_fast = beta_slow = 1).
+    "kimi_k2": ModelArgs(
+        vocab_size=163840,
+        dim=7168,
+        inter_dim=18432,
+        moe_inter_dim=2048,
+        n_layers=61,
+        n_dense_layers=1,
+        n_heads=64,
+        norm_eps=1e-6,
+        n_routed_experts=384,
+        n_shared_experts=1,
+        n_activated_experts=8,
+        score_func="sigmoid",
+        route_norm=True,
+        route_scale=2.827,
+        n_expert_groups=1,
+        n_limited_groups=1,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        rope_theta=50000.0,
+        rope_factor=32.0,
+        original_seq_len=4096,
+        beta_fast=1.0,
+        beta_slow=1.0,
         mscale=1.0,
     ),
 }

@@ -1,6 +1,6 @@
 """The interface every Hugging Face state-dict adapter follows.
 
-An adapter is a module (e.g. `plait.models.hf.llama3`, `plait.models.hf.deepseek_v3`) defining:
+An adapter is a module (e.g. `plait.models.hf.llama3`, `plait.models.hf.deepseek_v3`, `plait.models.hf.qwen3`) defining:
 
     to_hf(state_dict: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor]
         plait names and layouts -> HF names and layouts. Every key of the plait state dict is
@@ -17,6 +17,10 @@ An adapter is a module (e.g. `plait.models.hf.llama3`, `plait.models.hf.deepseek
     args_from_hf_config(config: dict) -> ModelArgs
         The inverse: plait args from a parsed `config.json`. Raises ValueError for a config the
         plait model cannot represent (biases, another activation, ...).
+
+It names the HF class it writes as `HF_ARCHITECTURE` (plait.checkpoint matches a folder's
+`architectures` against it), or every class it reads as `HF_ARCHITECTURES` when one plait model is
+several HF ones (`plait.models.hf.qwen3`: Qwen3ForCausalLM and Qwen3MoeForCausalLM).
 
 Both conversions also take a subset of the state dict holding whole layers (the trainer converts
 a layer at a time), so a tensor HF stores twice (DeepSeek-V3's multi-token-prediction layers

@@ -32,8 +32,8 @@ from plait.models.hf.io import (
 from plait.models.registry import get_model_args, get_model_spec, list_models
 
 PLAIT_PT_FILE = "model.pt"
-# Model args a checkpoint does not fix (DeepSeek-V3's MTP depths and loss weight).
-_TRAINING_CHOICES = ("mtp_layers", "mtp_loss_scale")
+# Model args a checkpoint does not fix (DeepSeek-V3's MTP depths and loss weight, how experts are balanced).
+_TRAINING_CHOICES = ("mtp_layers", "mtp_loss_scale", "aux_loss_coeff", "load_balance_coeff")
 
 
 def load_plait_state_dict(path: str | Path) -> dict[str, torch.Tensor]:

@@ -27,6 +27,7 @@ import re
 import torch
 
 from plait.models.deepseek_v3.args import ModelArgs
+from plait.models.hf import experts
 from plait.models.hf.llama3 import half_to_interleaved
 
 HF_ARCHITECTURE = "DeepseekV3ForCausalLM"
@@ -56,8 +57,6 @@ _PER_LAYER = {
     "moe.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
     "moe.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
 }
-# plait stacked expert weight -> HF per-expert projection name.
-_EXPERTS = {"moe.experts.w1": "gate_proj", "moe.experts.w2": "down_proj", "moe.experts.w3": "up_proj"}
 # What an MTP depth adds to its decoder layer (plait suffix under mtp.{k} -> HF under model.layers.{N + k}).
 _MTP_OWN = {
     "enorm.weight": "enorm.weight",
@@ -70,7 +69,6 @@ _MTP_COPIES = {"tok_embeddings.weight": "embed_tokens.weight", "output.weight": 
 _PLAIT_LAYER_KEY = re.compile(r"layers\.(\d+)\.(.+)")
 _PLAIT_MTP_KEY = re.compile(r"mtp\.(\d+)\.(.+)")
 _HF_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_HF_EXPERT_KEY = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 _HF_IGNORED = re.compile(r".*rotary_emb\.inv_freq")
 
 
@@ -90,10 +88,8 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, tor
         prefix = f"model.layers.{layer}"
         if suffix in _PER_LAYER:
             hf_state_dict[f"{prefix}.{_PER_LAYER[suffix]}"] = tensor
-        elif suffix in _EXPERTS:
-            # [E, in, out] -> E x nn.Linear weight [out, in]
-            for j, w_IO in enumerate(tensor.unbind(0)):
-                hf_state_dict[f"{prefix}.mlp.experts.{j}.{_EXPERTS[suffix]}.weight"] = w_IO.t()
+        elif suffix in experts.PROJECTIONS:  # [E, in, out] -> E x nn.Linear weight [out, in]
+            hf_state_dict.update(experts.to_hf(prefix, suffix, tensor))
         else:
             raise KeyError(f"no HF name for plait parameter {name!r}")
     return hf_state_dict
@@ -142,7 +138,7 @@ def from_hf(
     per_layer = {hf: plait for plait, hf in _PER_LAYER.items()}
     mtp_own = {hf: plait for plait, hf in _MTP_OWN.items()}
     state_dict: dict[str, torch.Tensor] = {}
-    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    routed = experts.ExpertCollector(args.n_routed_experts)
     for name, tensor in hf_state_dict.items():
         if _HF_IGNORED.fullmatch(name):
             continue
@@ -165,30 +161,12 @@ def from_hf(
             elif not rope_interleave and plait_suffix == "attention.wkv_a.weight":
                 tensor = _rope_rows_to_interleaved(tensor, args, per_head=False)
             state_dict[f"{prefix}.{plait_suffix}"] = tensor
-        elif expert := _HF_EXPERT_KEY.fullmatch(suffix):
-            experts.setdefault((prefix, expert.group(2)), {})[int(expert.group(1))] = tensor
-        elif suffix == "mlp.experts.gate_up_proj":  # transformers 5 in-memory: [E, 2*hidden, dim]
-            w1, w3 = tensor.chunk(2, dim=1)
-            state_dict[f"{prefix}.moe.experts.w1"] = w1.transpose(1, 2)
-            state_dict[f"{prefix}.moe.experts.w3"] = w3.transpose(1, 2)
-        elif suffix == "mlp.experts.down_proj":  # [E, dim, hidden]
-            state_dict[f"{prefix}.moe.experts.w2"] = tensor.transpose(1, 2)
+        elif experts.is_hf_expert(suffix):  # per expert, or transformers 5's fused form
+            routed.add(prefix, suffix, tensor)
         else:
             raise KeyError(f"no plait name for HF parameter {name!r}")
-    state_dict.update(_stacked_experts(experts, args))
+    state_dict.update(routed.result())
     return state_dict
-
-
-def _stacked_experts(experts: dict[tuple[str, str], dict[int, torch.Tensor]], args: ModelArgs) -> dict:
-    """(plait prefix, HF projection) -> {expert j: [out, in]}  ->  `{prefix}.moe.experts.wN` [E, in, out]."""
-    projection_to_plait = {hf: plait for plait, hf in _EXPERTS.items()}
-    stacked = {}
-    for (prefix, projection), per_expert in experts.items():
-        if sorted(per_expert) != list(range(args.n_routed_experts)):
-            raise KeyError(f"{prefix} {projection}: experts {sorted(per_expert)} != 0..{args.n_routed_experts - 1}")
-        weights = torch.stack([per_expert[j].t() for j in range(args.n_routed_experts)])
-        stacked[f"{prefix}.{projection_to_plait[projection]}"] = weights
-    return stacked
 
 
 def hf_config(args: ModelArgs) -> dict:
