@@ -305,7 +305,8 @@ class CheckpointConfig:
 @dataclass
 class MetricsConfig:
     log_freq: int = 10
-    """Print/log every this many steps (the only steps that synchronise with the host)."""
+    """Print/log every this many steps, and the first step a run (or a resume) trains: the only
+    steps that synchronise with the host."""
     tensorboard: bool = True
     """Write tensorboard events under <dump_folder>/tb (rank 0)."""
     wandb: bool = False

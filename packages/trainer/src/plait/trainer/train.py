@@ -287,7 +287,10 @@ class Trainer:
         """Log, agree on a stop, check finiteness, save, validate; whether the loop stops here."""
         c = self.config
         last = self.step == c.training.steps
-        log_now = self.step % c.metrics.log_freq == 0 or last
+        # The first step this process trains logs too (as torchtitan's step 1): a new run, or a
+        # resumed one, shows its loss within seconds, not after log_freq steps. Its row's
+        # tokens/s carries the start-up (first kernels, compile); the next window's does not.
+        log_now = self.step % c.metrics.log_freq == 0 or last or self.step == loop.start_step + 1
         # Agreeing on a stop is a collective with a host sync: every step on CPU (cheap),
         # only at log steps on GPU.
         loop.stop_now = not last and (log_now or self.device.type == "cpu") and loop.stop.agreed(self.device)
