@@ -98,6 +98,8 @@ def _low_precision(x: torch.Tensor) -> bool:
     return x.dtype in (torch.float16, torch.bfloat16) or torch.is_autocast_enabled("cpu")
 
 
+# The std of the projections that read the residual stream (torchtitan's scheme). Like torchtitan
+# we keep trunc_normal_'s default cutoffs of +-2 (absolute), which at this std truncate nothing.
 INIT_STD = 0.02
 
 

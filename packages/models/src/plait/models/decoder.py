@@ -15,8 +15,23 @@ from torch import nn
 from plait.models.common import INIT_STD
 from plait.models.cpu_bf16 import Linear
 from plait.models.documents import attention_inputs, offsets_of
-from plait.models.moe import MoE
+from plait.models.moe import MoE, TokenChoiceTopKRouter
 from plait.models.rope import rope_at
+
+
+def moe_block(args, n_shared_experts: int = 0, **router_options) -> MoE:
+    """An MoE block from a model's args (dim, n_routed_experts, n_activated_experts, moe_inter_dim,
+    route_norm, aux_loss_coeff, use_grouped_mm): `n_shared_experts` shared experts, and the
+    router's scoring and grouping as `router_options` (plait.models.moe.TokenChoiceTopKRouter)."""
+    router = TokenChoiceTopKRouter(
+        dim=args.dim,
+        num_experts=args.n_routed_experts,
+        top_k=args.n_activated_experts,
+        route_norm=args.route_norm,
+        aux_loss_coeff=args.aux_loss_coeff,
+        **router_options,
+    )
+    return MoE(args.dim, args.moe_inter_dim, args.n_routed_experts, n_shared_experts, router, args.use_grouped_mm)
 
 
 class PreNormBlock(nn.Module):

@@ -13,11 +13,11 @@ from torch import nn
 from plait.models import metadata
 from plait.models.common import INIT_STD, ScaledDotProductAttention
 from plait.models.cpu_bf16 import Linear
-from plait.models.decoder import Decoder, PreNormBlock
+from plait.models.decoder import Decoder, PreNormBlock, moe_block
 from plait.models.deepseek_v3.args import ModelArgs
 from plait.models.deepseek_v3.mtp import MultiTokenPrediction
 from plait.models.deepseek_v3.rope import rope_tables, softmax_scale
-from plait.models.moe import FeedForward, MoE, TokenChoiceTopKRouter
+from plait.models.moe import FeedForward, MoE
 from plait.models.rope import apply_rope
 
 # INIT_STD (common.py): init std of projections that read the residual stream (torchtitan's scheme).
@@ -98,25 +98,10 @@ class Attention(nn.Module):
 
 
 def build_moe(args: ModelArgs) -> MoE:
-    router = TokenChoiceTopKRouter(
-        dim=args.dim,
-        num_experts=args.n_routed_experts,
-        top_k=args.n_activated_experts,
-        score_func=args.score_func,
-        route_norm=args.route_norm,
-        route_scale=args.route_scale,
-        n_groups=args.n_expert_groups,
-        topk_groups=args.n_limited_groups,
-        aux_loss_coeff=args.aux_loss_coeff,
-    )
-    return MoE(
-        dim=args.dim,
-        hidden_dim=args.moe_inter_dim,
-        num_experts=args.n_routed_experts,
-        num_shared_experts=args.n_shared_experts,
-        router=router,
-        use_grouped_mm=args.use_grouped_mm,
-    )
+    """DeepSeek's MoE block: shared experts beside the routed ones, softmax (V2) or sigmoid (V3)
+    scores, optionally group-limited, renormalised and scaled."""
+    return moe_block(args, args.n_shared_experts, score_func=args.score_func, route_scale=args.route_scale,
+                     n_groups=args.n_expert_groups, topk_groups=args.n_limited_groups)
 
 
 class TransformerBlock(PreNormBlock):

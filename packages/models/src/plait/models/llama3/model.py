@@ -7,62 +7,17 @@ except that shapes are inferred from tensors (e.g. the local head count under te
 """
 
 import torch
-from torch import nn
 
 from plait.models import metadata
-from plait.models.common import INIT_STD, FeedForward, ScaledDotProductAttention
-from plait.models.cpu_bf16 import Linear
+from plait.models.common import FeedForward
 from plait.models.decoder import Decoder, PreNormBlock
+from plait.models.gqa import GroupedQueryAttention
 from plait.models.llama3.args import ModelArgs
 from plait.models.llama3.rope import rope_tables
-from plait.models.rope import apply_rope
 
-# INIT_STD (common.py) is the std of the projections that read the residual stream (torchtitan's
-# scheme). Like torchtitan we keep trunc_normal_'s default cutoffs of +-2 (absolute), which at this
-# std truncate nothing.
 
-class Attention(nn.Module):
-    """Grouped-query attention: n_heads query heads share n_kv_heads key/value heads."""
-
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.head_dim = args.head_dim
-        self.wq = Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wv = Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wo = Linear(args.n_heads * args.head_dim, args.dim, bias=False)
-        # The one place attention is computed; context parallel replaces this module.
-        self.sdpa = ScaledDotProductAttention()
-
-    def forward(
-        self, x_BSD: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
-        document_positions_BS: torch.Tensor | None = None,
-        document_offsets: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        B, S, _ = x_BSD.shape
-        # Head counts are inferred (-1), so tensor parallel's local heads work unchanged.
-        q_BSHD = self.wq(x_BSD).view(B, S, -1, self.head_dim)
-        k_BSGD = self.wk(x_BSD).view(B, S, -1, self.head_dim)
-        v_BSGD = self.wv(x_BSD).view(B, S, -1, self.head_dim)
-
-        q_BSHD = apply_rope(q_BSHD, rope_cos, rope_sin)
-        k_BSGD = apply_rope(k_BSGD, rope_cos, rope_sin)
-
-        # G kv heads go to the sdpa module as they are: the kernels do grouped-query attention
-        # natively, without copying K/V up to H heads.
-        # Causal calls keep the 3-argument sdpa contract; the document mask adds its positions
-        # and their offsets in the folded tokens.
-        documents = () if document_positions_BS is None else (document_positions_BS, document_offsets)
-        out_BHSD = self.sdpa(
-            q_BSHD.transpose(1, 2), k_BSGD.transpose(1, 2), v_BSGD.transpose(1, 2), *documents
-        )
-        out_BSE = out_BHSD.transpose(1, 2).reshape(B, S, -1)
-        return self.wo(out_BSE)
-
-    def init_weights(self, out_proj_std: float):
-        for linear in (self.wq, self.wk, self.wv):
-            nn.init.trunc_normal_(linear.weight, mean=0.0, std=INIT_STD)
-        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=out_proj_std)
+class Attention(GroupedQueryAttention):
+    """Grouped-query attention: n_heads query heads share n_kv_heads key/value heads (plait.models.gqa)."""
 
 
 class TransformerBlock(PreNormBlock):
