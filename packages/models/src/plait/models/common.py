@@ -98,7 +98,18 @@ def _low_precision(x: torch.Tensor) -> bool:
     return x.dtype in (torch.float16, torch.bfloat16) or torch.is_autocast_enabled("cpu")
 
 
+# The std of the projections that read the residual stream (torchtitan's scheme). Like torchtitan
+# we keep trunc_normal_'s default cutoffs of +-2 (absolute), which at this std truncate nothing.
 INIT_STD = 0.02
+
+
+def check_gqa_heads(n_heads: int, n_kv_heads: int, head_dim: int) -> None:
+    """Grouped-query attention's sizes (Llama 3, Qwen3 args): whole query heads per kv head, and
+    head_dim even, as RoPE rotates pairs."""
+    if n_heads % n_kv_heads:
+        raise ValueError(f"n_heads {n_heads} is not divisible by n_kv_heads {n_kv_heads}")
+    if head_dim % 2:
+        raise ValueError(f"head_dim {head_dim} must be even for RoPE")
 
 
 class FeedForward(nn.Module):

@@ -15,7 +15,11 @@ tensor before the step (`to_device_with_segments`), so the step reads nothing ba
 
 import torch
 
+# A model's `attention_mask`: "document", a packed row's documents never attend to each other
+# (block-diagonal causal; the forward then takes document_positions); "causal": plain causal.
 ATTENTION_MASKS = ("causal", "document")
+# A model's `rope_positions`: "document", RoPE positions restart at every document (they are the
+# document positions); "sequence": 0..S-1 along the row.
 ROPE_POSITIONS = ("sequence", "document")
 
 _CACHE_ATTR = "_plait_document_segments"
@@ -95,6 +99,14 @@ def to_device_with_segments(document_positions_BS: torch.Tensor, device, capacit
     setattr(moved, _CACHE_ATTR, segments)
     setattr(moved, _OFFSETS_ATTR, offsets.to(device, non_blocking=True))
     return moved
+
+
+def check_masks(attention_mask: str, rope_positions: str) -> None:
+    """A model's args name a known attention mask and RoPE positions (every model's __post_init__)."""
+    if attention_mask not in ATTENTION_MASKS:
+        raise ValueError(f"attention_mask {attention_mask!r}: use one of {', '.join(ATTENTION_MASKS)}")
+    if rope_positions not in ROPE_POSITIONS:
+        raise ValueError(f"rope_positions {rope_positions!r}: use one of {', '.join(ROPE_POSITIONS)}")
 
 
 def check_document_positions(document_positions_BS: torch.Tensor, batch: int, seq_len: int) -> None:

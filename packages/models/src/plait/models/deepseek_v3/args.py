@@ -4,7 +4,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from plait.models.documents import ATTENTION_MASKS, ROPE_POSITIONS
+from plait.models.documents import check_masks
 
 
 @dataclass
@@ -77,17 +77,12 @@ class ModelArgs:
 
     # Scale each block's output-projection init std by its depth (torchtitan) instead of n_layers.
     depth_init: bool = True
-    # "document": a packed row's documents never attend to each other (block-diagonal causal); the
-    # forward then takes document_positions (plait.models.documents). "causal": plain causal.
+    # "causal" or "document" / "sequence" or "document": plait.models.documents says what each means.
     attention_mask: str = "causal"
-    # "document": RoPE positions restart at every document (they are the document positions).
     rope_positions: str = "sequence"
 
     def __post_init__(self):
-        if self.attention_mask not in ATTENTION_MASKS:
-            raise ValueError(f"attention_mask {self.attention_mask!r}: use one of {', '.join(ATTENTION_MASKS)}")
-        if self.rope_positions not in ROPE_POSITIONS:
-            raise ValueError(f"rope_positions {self.rope_positions!r}: use one of {', '.join(ROPE_POSITIONS)}")
+        check_masks(self.attention_mask, self.rope_positions)
         if not 0 <= self.n_dense_layers <= self.n_layers:
             raise ValueError(f"n_dense_layers {self.n_dense_layers} not in [0, n_layers={self.n_layers}]")
         if self.n_activated_experts > self.n_routed_experts:

@@ -5,6 +5,8 @@ RoPE tables are built for 16K positions (torchtitan's choice; YaRN is on because
 original 4K). Override `max_seq_len` for longer context, e.g. 163840 as in the released configs.
 """
 
+import dataclasses
+
 from plait.models.deepseek_v3.args import ModelArgs
 
 FLAVORS: dict[str, ModelArgs] = {
@@ -98,35 +100,21 @@ FLAVORS: dict[str, ModelArgs] = {
         v_head_dim=128,
         mscale=1.0,
     ),
-    # Kimi K2 (1.04T total, 32B active): 384 routed experts (top-8, no expert groups), 1 shared, one
-    # dense block, 64 heads; RoPE theta 50000 with YaRN x32 over 4096 positions (beta_fast = beta_slow = 1).
-    "kimi_k2": ModelArgs(
-        vocab_size=163840,
-        dim=7168,
-        inter_dim=18432,
-        moe_inter_dim=2048,
-        n_layers=61,
-        n_dense_layers=1,
-        n_heads=64,
-        norm_eps=1e-6,
-        n_routed_experts=384,
-        n_shared_experts=1,
-        n_activated_experts=8,
-        score_func="sigmoid",
-        route_norm=True,
-        route_scale=2.827,
-        n_expert_groups=1,
-        n_limited_groups=1,
-        q_lora_rank=1536,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-        rope_theta=50000.0,
-        rope_factor=32.0,
-        original_seq_len=4096,
-        beta_fast=1.0,
-        beta_slow=1.0,
-        mscale=1.0,
-    ),
 }
+
+# Kimi K2 (1.04T total, 32B active): DeepSeek-V3 with 384 routed experts (top-8, no expert groups),
+# one dense block, 64 heads and a 163840-token vocabulary; RoPE theta 50000 with YaRN x32 over 4096
+# positions (beta_fast = beta_slow = 1).
+FLAVORS["kimi_k2"] = dataclasses.replace(
+    FLAVORS["671B"],
+    vocab_size=163840,
+    n_dense_layers=1,
+    n_heads=64,
+    n_routed_experts=384,
+    route_scale=2.827,
+    n_expert_groups=1,
+    n_limited_groups=1,
+    rope_theta=50000.0,
+    rope_factor=32.0,
+    beta_fast=1.0,
+)

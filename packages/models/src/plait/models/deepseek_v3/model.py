@@ -10,14 +10,15 @@ Multi-token prediction (`mtp_layers` depths after the last block) is mtp.py.
 import torch
 from torch import nn
 
+from plait.models import metadata
 from plait.models.common import INIT_STD, ScaledDotProductAttention
 from plait.models.cpu_bf16 import Linear
+from plait.models.decoder import Decoder, PreNormBlock, moe_block
 from plait.models.deepseek_v3.args import ModelArgs
 from plait.models.deepseek_v3.mtp import MultiTokenPrediction
 from plait.models.deepseek_v3.rope import rope_tables, softmax_scale
-from plait.models.documents import attention_inputs, offsets_of
-from plait.models.llama3.rope import apply_rope, rope_at
-from plait.models.moe import FeedForward, MoE, TokenChoiceTopKRouter
+from plait.models.moe import FeedForward, MoE
+from plait.models.rope import apply_rope
 
 # INIT_STD (common.py): init std of projections that read the residual stream (torchtitan's scheme).
 
@@ -97,84 +98,36 @@ class Attention(nn.Module):
 
 
 def build_moe(args: ModelArgs) -> MoE:
-    router = TokenChoiceTopKRouter(
-        dim=args.dim,
-        num_experts=args.n_routed_experts,
-        top_k=args.n_activated_experts,
-        score_func=args.score_func,
-        route_norm=args.route_norm,
-        route_scale=args.route_scale,
-        n_groups=args.n_expert_groups,
-        topk_groups=args.n_limited_groups,
-        aux_loss_coeff=args.aux_loss_coeff,
-    )
-    return MoE(
-        dim=args.dim,
-        hidden_dim=args.moe_inter_dim,
-        num_experts=args.n_routed_experts,
-        num_shared_experts=args.n_shared_experts,
-        router=router,
-        use_grouped_mm=args.use_grouped_mm,
-    )
+    """DeepSeek's MoE block: shared experts beside the routed ones, softmax (V2) or sigmoid (V3)
+    scores, optionally group-limited, renormalised and scaled."""
+    return moe_block(args, args.n_shared_experts, score_func=args.score_func, route_scale=args.route_scale,
+                     n_groups=args.n_expert_groups, topk_groups=args.n_limited_groups)
 
 
-class TransformerBlock(nn.Module):
-    """Pre-norm residual block: attention, then a dense FFN (`feed_forward`) or an MoE (`moe`)."""
+class TransformerBlock(PreNormBlock):
+    """Pre-norm residual block: attention, then a dense FFN (`feed_forward`, the first
+    n_dense_layers blocks) or an MoE (`moe`)."""
 
     def __init__(self, layer_id: int, args: ModelArgs):
-        super().__init__()
-        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args)
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        if layer_id < args.n_dense_layers:
-            self.feed_forward = FeedForward(args.dim, args.inter_dim)
-        else:
-            self.moe = build_moe(args)
-        # Output projections add into the residual stream; scaling their std by depth keeps the
-        # stream's variance from growing with the number of blocks.
-        depth = layer_id + 1 if args.depth_init else args.n_layers
-        self.out_proj_init_std = INIT_STD / (2 * depth) ** 0.5
-
-    @property
-    def is_moe(self) -> bool:
-        return hasattr(self, "moe")
-
-    def forward(
-        self, x_BSD: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
-        document_positions_BS: torch.Tensor | None = None,
-        document_offsets: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), rope_cos, rope_sin, document_positions_BS, document_offsets)
-        ffn = self.moe if self.is_moe else self.feed_forward
-        return h_BSD + ffn(self.ffn_norm(h_BSD))
-
-    def init_weights(self) -> None:
-        for norm in (self.attention_norm, self.ffn_norm):
-            nn.init.ones_(norm.weight)
-        self.attention.init_weights(self.out_proj_init_std)
-        (self.moe if self.is_moe else self.feed_forward).init_weights(self.out_proj_init_std)
+        attention = Attention(args)  # first: a seeded build draws its weights in this order
+        ffn = FeedForward(args.dim, args.inter_dim) if layer_id < args.n_dense_layers else build_moe(args)
+        super().__init__(layer_id, args, attention, ffn)
 
 
-class Transformer(nn.Module):
-    """Token embedding -> n_layers blocks -> RMSNorm -> output projection to vocabulary logits."""
+class Transformer(Decoder):
+    """Token embedding -> n_layers blocks -> RMSNorm -> output projection to vocabulary logits
+    (plait.models.decoder), with YaRN-scaled RoPE and `mtp_layers` multi-token-prediction depths."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        # ModuleDict "0".."n-1": module paths stay stable when pipeline parallel drops layers.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
-        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output = Linear(args.dim, args.vocab_size, bias=False)
+        super().__init__(args, lambda i: TransformerBlock(i, args))
         # Depth k's block is layer n_layers + k - 1 (the released weights' numbering).
         self.mtp = nn.ModuleDict({
             str(k): MultiTokenPrediction(args.dim, args.norm_eps, TransformerBlock(args.n_layers + k, args))
             for k in range(args.mtp_layers)
         }) if args.mtp_layers else None  # fmt: skip
-        # Non-persistent: derived from args; init_weights recomputes them after a meta build.
-        rope_cos_LK, rope_sin_LK = rope_tables(args)
-        self.register_buffer("rope_cos", rope_cos_LK, persistent=False)
-        self.register_buffer("rope_sin", rope_sin_LK, persistent=False)
+
+    def _rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_tables(self.args)
 
     def forward(
         self,
@@ -200,20 +153,14 @@ class Transformer(nn.Module):
             rows = torch.cat([tokens[:, None], mtp_tokens[:, :depths]], 1).transpose(0, 1).flatten(0, 1) \
                 if depths else tokens
             h_BSD, *embedded = self.tok_embeddings(rows).chunk(1 + depths)
-        positions, mask_positions_BS = attention_inputs(
-            self.args.attention_mask, self.args.rope_positions, tokens, positions, document_positions
-        )
-        # Built once for every layer, outside the compiled blocks (a host read in eager code, or
-        # the offsets the trainer moved with the positions).
-        mask_offsets = None if mask_positions_BS is None else offsets_of(mask_positions_BS)
-        rope_cos, rope_sin = rope_at(self.rope_cos, self.rope_sin, positions)
+        block_inputs = self._block_inputs(tokens, positions, document_positions)
         for layer in self.layers.values():
-            h_BSD = layer(h_BSD, rope_cos, rope_sin, mask_positions_BS, mask_offsets)
+            h_BSD = layer(h_BSD, *block_inputs)
         if self.norm is None:
             return torch.cat([h_BSD, *embedded], dim=-1) if depths else h_BSD
         heads = [self.norm(h_BSD)]
         for mtp, embedded_BSD in zip(list(self.mtp.values())[:depths] if depths else [], embedded):
-            h_BSD = mtp(h_BSD, embedded_BSD, rope_cos, rope_sin, mask_positions_BS, mask_offsets)
+            h_BSD = mtp(h_BSD, embedded_BSD, *block_inputs)
             heads.append(mtp.norm(h_BSD))
         # One call of the shared output head for every depth (one FSDP gather, one TP region).
         logits = self.output(torch.cat(heads) if depths else heads[0])
@@ -221,27 +168,10 @@ class Transformer(nn.Module):
             return logits
         return tuple(logits.chunk(1 + depths))  # (main, depth 1, ..., depth K)
 
-    @torch.no_grad()
-    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
-        """Initialise every parameter exactly once; recompute RoPE tables; zero router state.
-
-        Call after building on the meta device and `to_empty(device=...)`; works on DTensor
-        parameters. `buffer_device` places the RoPE tables.
-        """
-        buffer_device = buffer_device if buffer_device is not None else self.rope_cos.device
-        with torch.device(buffer_device):
-            self.rope_cos, self.rope_sin = rope_tables(self.args)
-        if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=1.0)
-        for layer in self.layers.values():
-            layer.init_weights()
+    def _init_blocks(self) -> None:
+        super()._init_blocks()
         for mtp in (self.mtp or {}).values():
             mtp.init_weights()
-        if self.norm is not None:
-            nn.init.ones_(self.norm.weight)
-        if self.output is not None:
-            std = self.args.dim**-0.5
-            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
     def parallel_info(self) -> dict:
         """Blocks, tensor-parallel plan, experts and CP metadata as plain data (docs/contracts.md)."""
@@ -251,32 +181,22 @@ class Transformer(nn.Module):
         mtp_depths = [f"mtp.{name}" for name in self.mtp or {}]
         transformer_blocks = {**dict(zip(blocks, self.layers.values())),
                               **{f"{d}.block": m.block for d, m in zip(mtp_depths, (self.mtp or {}).values())}}
-        return {
-            "blocks": blocks + mtp_depths,
-            "tp_plan": self._tp_plan(),
-            "experts": [f"{b}.moe.experts" for b, layer in transformer_blocks.items() if layer.is_moe],
-            # The module each MoE runs after its experts and before it first uses their output: expert
-            # parallel overlaps the combine all-to-all with it, forward and backward.
-            "expert_overlap": {
-                f"{b}.moe.experts": f"{b}.moe.shared_experts"
-                for b, layer in transformer_blocks.items()
-                if layer.is_moe and layer.moe.shared_experts is not None
-            },
-            "attention_modules": [f"{block}.attention.sdpa" for block in transformer_blocks],
-            # FSDP units outside the blocks, in forward order: the embedding (resharded once used) and
-            # the output head.
-            "edge_units": [["tok_embeddings"], ["norm", "output"]],
+        moe_blocks = {b: layer.moe for b, layer in transformer_blocks.items() if layer.is_moe}
+        args = self.args
+        return metadata.parallel_info(
+            blocks + mtp_depths,
+            self._tp_plan(),
+            experts=[f"{b}.moe.experts" for b in moe_blocks],
             # MLA rebuilds keys and values per head: as many kv heads as query heads.
-            "attention_heads": {"n_heads": self.args.n_heads, "n_kv_heads": self.args.n_heads,
-                                "head_dim": self.args.qk_nope_head_dim + self.args.qk_rope_head_dim},
-            # Sizes tensor parallel splits: heads, dense and shared-expert FFN hidden, vocab.
-            "tp_divisible": {
-                "n_heads": self.args.n_heads,
-                "ffn_hidden": self.args.inter_dim,
-                "shared_expert_hidden": self.args.moe_inter_dim * self.args.n_shared_experts,
-                "vocab_size": self.args.vocab_size,
-            },
-        }
+            heads=(args.n_heads, args.n_heads, args.qk_nope_head_dim + args.qk_rope_head_dim),
+            # Heads, dense and shared-expert FFN hidden, vocab.
+            tp_divisible={"n_heads": args.n_heads, "ffn_hidden": args.inter_dim,
+                          "shared_expert_hidden": args.moe_inter_dim * args.n_shared_experts,
+                          "vocab_size": args.vocab_size},
+            expert_overlap={f"{b}.moe.experts": f"{b}.moe.shared_experts"
+                            for b, moe in moe_blocks.items() if moe.shared_experts is not None},
+            attention_blocks=list(transformer_blocks),
+        )
 
     def _tp_plan(self) -> dict:
         if self.args.q_lora_rank == 0:
@@ -287,47 +207,22 @@ class Transformer(nn.Module):
                 "layers.*.attention.q_norm": "replicate",
                 "layers.*.attention.wq_b": "colwise",
             }
-        block_plan = self._block_tp_plan(q_plan)
+        # The latent path is shared by all heads: replicated. wkv_b expands it per head (colwise
+        # over heads); wo sums heads back (rowwise).
+        latent_plan = {
+            "layers.*.attention.wkv_a": "replicate",
+            "layers.*.attention.kv_norm": "replicate",
+            "layers.*.attention.wkv_b": "colwise",
+        }
+        block_plan = {**metadata.attention_plan({**q_plan, **latent_plan}), **metadata.DENSE_FFN_PLAN,
+                      **metadata.moe_plan(shared_experts=True)}
         # An MTP depth's norms and projection act on each token alone: on sequence shards under SP
         # (replicated weights, gradients reduced), like the block norms; its block as the others.
         mtp_plan = {"mtp.*.enorm": "sequence_parallel", "mtp.*.hnorm": "sequence_parallel",
                     "mtp.*.eh_proj": "sequence_parallel", "mtp.*.norm": "sequence_parallel",
                     **{key.replace("layers.*.", "mtp.*.block.", 1): style for key, style in block_plan.items()
                        if ".feed_forward" not in key}}  # an MTP block is past n_dense_layers: MoE
-        return {
-            "tok_embeddings": "embedding_rowwise",
-            "norm": "sequence_parallel",
-            "output": "output_colwise",
-            **block_plan,
-            **(mtp_plan if self.mtp is not None else {}),
-        }
-
-    @staticmethod
-    def _block_tp_plan(q_plan: dict) -> dict:
-        return {
-            "layers.*.attention_norm": "sequence_parallel",
-            "layers.*.attention": "prepare_input",
-            **q_plan,
-            # The latent path is shared by all heads: replicated. wkv_b expands it per head
-            # (colwise over heads); wo sums heads back (rowwise).
-            "layers.*.attention.wkv_a": "replicate",
-            "layers.*.attention.kv_norm": "replicate",
-            "layers.*.attention.wkv_b": "colwise",
-            "layers.*.attention.wo": "rowwise",
-            "layers.*.ffn_norm": "sequence_parallel",
-            "layers.*.feed_forward": "prepare_input",
-            "layers.*.feed_forward.w1": "colwise",
-            "layers.*.feed_forward.w2": "rowwise",
-            "layers.*.feed_forward.w3": "colwise",
-            "layers.*.moe": "moe_input_output",
-            "layers.*.moe.router.gate": "replicate",
-            "layers.*.moe.shared_experts.w1": "colwise",
-            "layers.*.moe.shared_experts.w2": "rowwise_partial",
-            "layers.*.moe.shared_experts.w3": "colwise",
-            # Routed experts: hidden dim split over tp when there is no expert parallel; with
-            # ep > 1 the expert-parallel package owns them and this entry is skipped.
-            "layers.*.moe.experts": "experts_tp",
-        }
+        return {**metadata.EDGE_PLAN, **block_plan, **(mtp_plan if self.mtp is not None else {})}
 
     def param_counts(self) -> tuple[int, int]:
         """(total, active per token) parameters, counted from args. Active keeps only the top-k

@@ -27,19 +27,13 @@ import re
 import torch
 
 from plait.models.deepseek_v3.args import ModelArgs
-from plait.models.hf import experts
-from plait.models.hf.llama3 import half_to_interleaved
+from plait.models.hf import common, experts
+from plait.models.hf.rotary import half_to_interleaved
 
 HF_ARCHITECTURE = "DeepseekV3ForCausalLM"
 
-_TOP_LEVEL = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 _PER_LAYER = {
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
+    **common.NORMS,
     "attention.wq.weight": "self_attn.q_proj.weight",
     "attention.wq_a.weight": "self_attn.q_a_proj.weight",
     "attention.q_norm.weight": "self_attn.q_a_layernorm.weight",
@@ -48,10 +42,8 @@ _PER_LAYER = {
     "attention.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
     "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
     "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "moe.router.gate.weight": "mlp.gate.weight",
+    **common.FEED_FORWARD,
+    **common.ROUTER_GATE,
     "moe.router.expert_bias": "mlp.gate.e_score_correction_bias",
     "moe.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
     "moe.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
@@ -66,18 +58,15 @@ _MTP_OWN = {
 }
 # The release repeats the shared embedding and head in each MTP layer: plait name -> copy's suffix.
 _MTP_COPIES = {"tok_embeddings.weight": "embed_tokens.weight", "output.weight": "shared_head.head.weight"}
-_PLAIT_LAYER_KEY = re.compile(r"layers\.(\d+)\.(.+)")
 _PLAIT_MTP_KEY = re.compile(r"mtp\.(\d+)\.(.+)")
-_HF_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_HF_IGNORED = re.compile(r".*rotary_emb\.inv_freq")
 
 
 def to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """plait -> HF names and layouts; works on any subset of the state dict (per-layer export)."""
     hf_state_dict = {}
     for name, tensor in state_dict.items():
-        if name in _TOP_LEVEL:
-            hf_state_dict[_TOP_LEVEL[name]] = tensor
+        if name in common.TOP_LEVEL:
+            hf_state_dict[common.TOP_LEVEL[name]] = tensor
             for k in range(args.mtp_layers) if name in _MTP_COPIES else ():
                 hf_state_dict[f"model.layers.{args.n_layers + k}.{_MTP_COPIES[name]}"] = tensor
             continue
@@ -98,7 +87,7 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, tor
 def _hf_layer_of(name: str, args: ModelArgs) -> tuple[int, str]:
     """The HF layer index of a block parameter (`layers.{i}.*`, or MTP depth k's `mtp.{k}.block.*`:
     layer n_layers + k) and its suffix inside the block."""
-    if match := _PLAIT_LAYER_KEY.fullmatch(name):
+    if match := common.PLAIT_LAYER_KEY.fullmatch(name):
         return int(match.group(1)), match.group(2)
     if (match := _PLAIT_MTP_KEY.fullmatch(name)) and match.group(2).startswith("block."):
         return args.n_layers + int(match.group(1)), match.group(2).removeprefix("block.")
@@ -134,39 +123,29 @@ def from_hf(
 ) -> dict[str, torch.Tensor]:
     """HF names/layouts -> plait. `rope_interleave=False` for exports made with that HF flag.
     Works on any subset holding whole layers (the trainer imports a layer at a time)."""
-    top_level = {hf: plait for plait, hf in _TOP_LEVEL.items()}
     per_layer = {hf: plait for plait, hf in _PER_LAYER.items()}
     mtp_own = {hf: plait for plait, hf in _MTP_OWN.items()}
-    state_dict: dict[str, torch.Tensor] = {}
     routed = experts.ExpertCollector(args.n_routed_experts)
-    for name, tensor in hf_state_dict.items():
-        if _HF_IGNORED.fullmatch(name):
-            continue
-        if name in top_level:
-            state_dict[top_level[name]] = tensor
-            continue
-        match = _HF_LAYER_KEY.fullmatch(name)
-        if match is None:
-            raise KeyError(f"no plait name for HF parameter {name!r}")
-        suffix = match.group(2)
-        prefix = _plait_prefix(int(match.group(1)), suffix, args)
+
+    def layer(index: str, suffix: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        prefix = _plait_prefix(int(index), suffix, args)
         if prefix is None:
-            continue
+            return {}
         if suffix in mtp_own and not prefix.startswith("layers."):  # enorm, hnorm, eh_proj, norm
-            state_dict[f"{prefix}.{mtp_own[suffix]}"] = tensor
-        elif suffix in per_layer:
+            return {f"{prefix}.{mtp_own[suffix]}": tensor}
+        if suffix in per_layer:
             plait_suffix = per_layer[suffix]
             if not rope_interleave and plait_suffix in ("attention.wq.weight", "attention.wq_b.weight"):
                 tensor = _rope_rows_to_interleaved(tensor, args, per_head=True)
             elif not rope_interleave and plait_suffix == "attention.wkv_a.weight":
                 tensor = _rope_rows_to_interleaved(tensor, args, per_head=False)
-            state_dict[f"{prefix}.{plait_suffix}"] = tensor
-        elif experts.is_hf_expert(suffix):  # per expert, or transformers 5's fused form
+            return {f"{prefix}.{plait_suffix}": tensor}
+        if experts.is_hf_expert(suffix):  # per expert, or transformers 5's fused form
             routed.add(prefix, suffix, tensor)
-        else:
-            raise KeyError(f"no plait name for HF parameter {name!r}")
-    state_dict.update(routed.result())
-    return state_dict
+            return {}
+        return None
+
+    return common.from_hf(hf_state_dict, layer, routed=routed)
 
 
 def hf_config(args: ModelArgs) -> dict:
@@ -231,7 +210,7 @@ def hf_config(args: ModelArgs) -> dict:
 
 
 def args_from_hf_config(config: dict) -> ModelArgs:
-    unsupported = {
+    common.check_representable("deepseek_v3", {
         "hidden_act": config.get("hidden_act", "silu") != "silu",
         "attention_bias": config.get("attention_bias", False),
         "scoring_func": config.get("scoring_func", "sigmoid") != "sigmoid",
@@ -240,14 +219,11 @@ def args_from_hf_config(config: dict) -> ModelArgs:
         # The adapter functions see no config, so a half-split rotary layout must be converted
         # explicitly with from_hf(..., rope_interleave=False).
         "rope_interleave": config.get("rope_interleave", True) is False,
-    }
-    if any(unsupported.values()):
-        raise ValueError(f"plait deepseek_v3 cannot represent this config: {[k for k, v in unsupported.items() if v]}")
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    theta = float(config.get("rope_theta", rope.get("rope_theta", 10000.0)))
+    })  # fmt: skip
+    rope, theta, rope_type = common.rope_config(config)
     max_seq_len = config.get("max_position_embeddings", 4096)
     yarn = {}
-    if rope.get("rope_type", rope.get("type", "default")) == "yarn":
+    if rope_type == "yarn":
         mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
         if not mscale_all_dim or (mscale and mscale != mscale_all_dim) or rope.get("attention_factor"):
             raise ValueError("plait implements YaRN with mscale == mscale_all_dim (released DeepSeek configs)")

@@ -2,7 +2,8 @@
 
 from dataclasses import dataclass
 
-from plait.models.documents import ATTENTION_MASKS, ROPE_POSITIONS
+from plait.models.common import check_gqa_heads
+from plait.models.documents import check_masks
 
 
 @dataclass(frozen=True)
@@ -44,27 +45,19 @@ class ModelArgs:
     # Scale the init std of each block's output projections by its depth (torchtitan) rather than
     # by the total number of layers.
     depth_init: bool = True
-    # "document": a packed row's documents never attend to each other (block-diagonal causal); the
-    # forward then takes document_positions (plait.models.documents). "causal": plain causal.
+    # "causal" or "document" / "sequence" or "document": plait.models.documents says what each means.
     attention_mask: str = "causal"
-    # "document": RoPE positions restart at every document (they are the document positions).
     rope_positions: str = "sequence"
 
     def __post_init__(self):
-        if self.attention_mask not in ATTENTION_MASKS:
-            raise ValueError(f"attention_mask {self.attention_mask!r}: use one of {', '.join(ATTENTION_MASKS)}")
-        if self.rope_positions not in ROPE_POSITIONS:
-            raise ValueError(f"rope_positions {self.rope_positions!r}: use one of {', '.join(ROPE_POSITIONS)}")
+        check_masks(self.attention_mask, self.rope_positions)
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if isinstance(self.rope_scaling, dict):  # e.g. straight from a TOML config
             self.rope_scaling = RopeScaling(**self.rope_scaling)
         if self.dim % self.n_heads:
             raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
+        check_gqa_heads(self.n_heads, self.n_kv_heads, self.head_dim)
 
     @property
     def head_dim(self) -> int:

@@ -2,7 +2,8 @@
 
 from dataclasses import dataclass
 
-from plait.models.documents import ATTENTION_MASKS, ROPE_POSITIONS
+from plait.models.common import check_gqa_heads
+from plait.models.documents import check_masks
 
 
 @dataclass
@@ -50,21 +51,13 @@ class ModelArgs:
 
     # Scale each block's output-projection init std by its depth (torchtitan) instead of n_layers.
     depth_init: bool = True
-    # "document": a packed row's documents never attend to each other (block-diagonal causal); the
-    # forward then takes document_positions (plait.models.documents). "causal": plain causal.
+    # "causal" or "document" / "sequence" or "document": plait.models.documents says what each means.
     attention_mask: str = "causal"
-    # "document": RoPE positions restart at every document (they are the document positions).
     rope_positions: str = "sequence"
 
     def __post_init__(self):
-        if self.attention_mask not in ATTENTION_MASKS:
-            raise ValueError(f"attention_mask {self.attention_mask!r}: use one of {', '.join(ATTENTION_MASKS)}")
-        if self.rope_positions not in ROPE_POSITIONS:
-            raise ValueError(f"rope_positions {self.rope_positions!r}: use one of {', '.join(ROPE_POSITIONS)}")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
+        check_masks(self.attention_mask, self.rope_positions)
+        check_gqa_heads(self.n_heads, self.n_kv_heads, self.head_dim)
         if self.n_routed_experts < 0:
             raise ValueError(f"n_routed_experts {self.n_routed_experts} is negative: 0 makes a dense model")
         if self.is_moe and not 1 <= self.n_activated_experts <= self.n_routed_experts:

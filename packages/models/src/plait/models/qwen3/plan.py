@@ -1,65 +1,29 @@
 """What Qwen3 declares as data: its parallel_info() (blocks, TP plan, experts, CP heads) and its
 parameter counts. The parallel packages read this; they do not know the model class."""
 
+from plait.models import metadata
 from plait.models.qwen3.args import ModelArgs
 
-_ATTENTION_PLAN = {
-    "layers.*.attention_norm": "sequence_parallel",
-    "layers.*.attention": "prepare_input",
-    "layers.*.attention.wq": "colwise",
-    "layers.*.attention.wk": "colwise",
-    "layers.*.attention.wv": "colwise",
-    # RMSNorm over head_dim on each of this rank's heads (the colwise outputs above): the weight is
-    # replicated and its gradient summed over the tp ranks.
-    "layers.*.attention.q_norm": "head_norm",
-    "layers.*.attention.k_norm": "head_norm",
-    "layers.*.attention.wo": "rowwise",
-    "layers.*.ffn_norm": "sequence_parallel",
-}
-_DENSE_PLAN = {
-    "layers.*.feed_forward": "prepare_input",
-    "layers.*.feed_forward.w1": "colwise",
-    "layers.*.feed_forward.w2": "rowwise",
-    "layers.*.feed_forward.w3": "colwise",
-}
-_MOE_PLAN = {
-    "layers.*.moe": "moe_input_output",
-    "layers.*.moe.router.gate": "replicate",
-    # Routed experts: hidden dim split over tp without expert parallel; with ep > 1 the
-    # expert-parallel package owns them and this entry is skipped.
-    "layers.*.moe.experts": "experts_tp",
-}
+# RMSNorm over head_dim on each of this rank's heads (the colwise outputs of wq and wk): the
+# weight is replicated and its gradient summed over the tp ranks.
+_HEAD_NORMS = {"layers.*.attention.q_norm": "head_norm", "layers.*.attention.k_norm": "head_norm"}
 
 
 def parallel_info(args: ModelArgs, layer_names: list[str]) -> dict:
     """`layer_names`: the model's `layers` keys (a pipeline stage holds some of them)."""
     blocks = [f"layers.{name}" for name in layer_names]
-    return {
-        "blocks": blocks,
-        "tp_plan": {
-            "tok_embeddings": "embedding_rowwise",
-            "norm": "sequence_parallel",
-            "output": "output_colwise",
-            **_ATTENTION_PLAN,
-            **(_MOE_PLAN if args.is_moe else _DENSE_PLAN),
-        },
-        "experts": [f"{block}.moe.experts" for block in blocks] if args.is_moe else [],
+    ffn_plan = metadata.moe_plan(shared_experts=False) if args.is_moe else metadata.DENSE_FFN_PLAN
+    return metadata.parallel_info(
+        blocks,
+        {**metadata.EDGE_PLAN, **metadata.attention_plan({**metadata.GQA_PROJECTIONS, **_HEAD_NORMS}), **ffn_plan},
+        experts=[f"{block}.moe.experts" for block in blocks] if args.is_moe else [],
+        heads=(args.n_heads, args.n_kv_heads, args.head_dim),
+        tp_divisible={"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads,
+                      **({} if args.is_moe else {"ffn_hidden": args.inter_dim}), "vocab_size": args.vocab_size},
+        tied=args.tie_embeddings,
         # No shared expert: nothing runs between the experts and the first use of their output.
-        "expert_overlap": {},
-        "attention_modules": [f"{block}.attention.sdpa" for block in blocks],
-        # FSDP units outside the blocks, in forward order: the embedding (resharded once used) and
-        # the output head. A tied embedding is one weight in both: it stays with the root.
-        "edge_units": [] if args.tie_embeddings else [["tok_embeddings"], ["norm", "output"]],
-        # Head counts the attention modules see before tensor parallel (Ulysses splits heads over cp).
-        "attention_heads": {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads, "head_dim": args.head_dim},
-        # Sizes tensor parallel splits: heads and kv heads (whole heads per rank), FFN hidden, vocab.
-        "tp_divisible": {
-            "n_heads": args.n_heads,
-            "n_kv_heads": args.n_kv_heads,
-            **({} if args.is_moe else {"ffn_hidden": args.inter_dim}),
-            "vocab_size": args.vocab_size,
-        },
-    }
+        expert_overlap={},
+    )
 
 
 def param_counts(args: ModelArgs) -> tuple[int, int]:
