@@ -255,6 +255,8 @@ DOCS = {"attention_mask": "document", "rope_positions": "document"}
 # shared embedding and output head), its loss 0.1 x of the main one's weight.
 MTP = {"mtp_layers": 1}
 BF16_STATES = {"state_dtype": "bf16"}
+# DeepSeek-V3's sequence-wise balance loss (its weight large enough to move every router's gradient).
+AUX = {"aux_loss_coeff": 0.01}
 # fmt: off
 LAYOUTS = [
     # 2 ranks
@@ -264,7 +266,14 @@ LAYOUTS = [
     Layout("TP 2", 2, {"tp": 2, "sequence_parallel": False, "loss_parallel": False}),
     Layout("TP 2 + SP + loss parallel, chunked loss", 2, {"tp": 2}, CHUNKED, models=MODELS + QWEN3),
     # The sequence-wise balance loss's gradient must arrive once, not once per TP rank.
-    Layout("TP 2 + SP, sequence-wise aux loss", 2, {"tp": 2}, models=DEEPSEEK, model_args={"aux_loss_coeff": 0.01}),
+    Layout("TP 2 + SP, sequence-wise aux loss", 2, {"tp": 2}, models=DEEPSEEK, model_args=AUX),
+    # It trains inside its MoE blocks' backward: under PP in each stage's (each pipeline micro-batch's
+    # 1 / micro-batches), under CP with each layer's counts summed over the cp ranks in the forward
+    # (again in full AC's recomputation), in the MTP depth's MoE block too.
+    Layout("PP 2 1F1B, accumulation 2, sequence-wise aux loss", 2, {**PP2, "pipeline_schedule": "1F1B"},
+           {"gradient_accumulation_steps": 2}, layers=PP2_LAYERS, models=DEEPSEEK, model_args=AUX, bf16=False),
+    Layout("CP 2 ring, full AC, MTP 1, sequence-wise aux loss", 2, {"cp": 2, **CP1, "cp_method": "ring"},
+           {"activation_checkpoint": "full"}, models=DEEPSEEK, model_args={**MTP, **AUX}, bf16=False),
     Layout("CP 2 all-gather", 2, {"cp": 2, **CP1, "cp_method": "allgather"}),
     Layout("CP 2 ring", 2, {"cp": 2, **CP1, "cp_method": "ring"}),
     Layout("CP 2 ring, no load balancing", 2, {"cp": 2, **CP1, "cp_method": "ring", "cp_load_balance": False},

@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 from plait.dataparallel import DataParallelConfig, apply_data_parallel
 from plait.mesh import ParallelDims, build_meshes, clip_grad_norm_
-from plait.models.moe import moe_aux_loss
+from plait.models.moe import configure_moe_aux_loss
 from plait.tensorparallel import (
     TensorParallelConfig,
     apply_tensor_parallel,
@@ -87,21 +87,18 @@ def _batches(name: str):
 def _train(name, model, loss_parallel=False, dp_rank=0, dp_degree=1, dp_group=None, tp=1):
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     per = BATCH // dp_degree
+    if name == AUX_MODEL:
+        # The aux loss trains inside its MoE block's backward. Every TP rank computes it inside the
+        # MoE's TP region, whose entry sums the ranks' gradients: each rank weighs it 1/tp (what
+        # the trainer does).
+        configure_moe_aux_loss(model, grad_scale=1 / tp)
     losses = []
     for tokens, labels in _batches(name):
         rows = slice(dp_rank * per, (dp_rank + 1) * per)
         with loss_parallel_context(loss_parallel):
             logits = model(tokens[rows])
             loss = F.cross_entropy(logits.float().flatten(0, 1), labels[rows].flatten())
-            # The aux loss is computed on every TP rank inside the MoE's TP region, whose entry sums
-            # the ranks' gradients: each rank adds 1/tp of it (what the trainer does).
-            if name == AUX_MODEL:
-                aux = moe_aux_loss(model) / tp
-                if isinstance(loss, DTensor):  # loss parallel: a replicated DTensor loss
-                    aux = DTensor.from_local(aux, loss.device_mesh, [Replicate()], run_check=False)
-                (loss + aux).backward()
-            else:
-                loss.backward()
+            loss.backward()
         clip_grad_norm_(model.parameters(), MAX_NORM)
         opt.step()
         opt.zero_grad()

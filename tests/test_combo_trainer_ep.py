@@ -151,14 +151,15 @@ def test_expert_bias_is_bit_identical_on_every_rank(tmp_path):
 
 
 def test_sequence_wise_aux_loss_is_exact_under_context_tensor_and_expert_parallel(tmp_path):
-    """The sequence-wise balance loss under CP 2 x TP 2 x EP 4: the expert-choice counts of each
-    sequence are summed over its cp ranks, each TP rank adds 1/tp, and the gradient (the norm
-    includes the aux term's) and losses match one rank."""
+    """The sequence-wise balance loss under CP 2 x TP 2 x EP 4 with selective AC: the expert-choice
+    counts of each sequence are summed over its cp ranks in each MoE layer's forward (a functional
+    all-reduce, which selective AC saves rather than repeats), each TP rank weighs it 1/tp, and the
+    gradient (the norm includes the aux term's) and losses match one rank."""
     aux = ["--model.aux_loss_coeff", "0.1"]
     run_cli(tmp_path / "one", *COMMON, *aux, "--training.local_batch_size", "4")
     run_cli(tmp_path / "many", *COMMON, *aux, "--training.local_batch_size", "4", "--nproc-per-node", "4",
             "--parallelism.dp_shard", "1", "--parallelism.cp", "2", "--parallelism.tp", "2", "--parallelism.ep", "4",
-            "--parallelism.cp_method", "ring", timeout=300)
+            "--parallelism.cp_method", "ring", "--training.activation_checkpoint", "selective", timeout=300)
     one, many = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "many")
     assert [r["loss"] for r in many] == pytest.approx([r["loss"] for r in one], abs=1e-5, rel=0)
     assert [r["grad_norm"] for r in many] == pytest.approx([r["grad_norm"] for r in one], rel=1e-4)

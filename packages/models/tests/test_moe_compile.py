@@ -8,6 +8,8 @@ backward, without inductor's C++ build (seconds instead of tens of seconds on a 
 """
 
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -16,7 +18,7 @@ from plait.models.deepseek_v3 import ModelArgs
 from plait.models.deepseek_v3.model import TransformerBlock, build_moe
 from plait.models.deepseek_v3.rope import rope_tables
 from plait.models.llama3.rope import rope_at
-from plait.models.moe import GroupedExperts
+from plait.models.moe import GroupedExperts, configure_moe_aux_loss, moe_aux_loss
 from plait.models.moe.grouped_mm_op import grouped_mm
 
 ARGS = ModelArgs(
@@ -56,6 +58,23 @@ def test_deepseek_moe_and_transformer_blocks_compile_fullgraph_in_fp32_and_match
         torch._dynamo.reset()
         compiled = torch.compile(module, fullgraph=True, backend="aot_eager")  # a graph break raises
         _assert_close(_grads(compiled, x, *extra), ref)
+
+
+def test_moe_with_the_aux_loss_compiles_fullgraph_and_matches_eager():
+    """The aux loss's tie into the router's output (an autograd Function) and a count sum over
+    context-parallel ranks (a callable the trainer installs; here a stand-in for 2 ranks holding
+    equal halves) compile without a graph break; the loss's value and the gradients are eager's."""
+    torch.manual_seed(0)
+    moe = build_moe(dataclasses.replace(ARGS, aux_loss_coeff=0.1))
+    moe.init_weights(0.1)
+    configure_moe_aux_loss(moe, grad_scale=0.5, sequence_parts=2, reduce_counts=lambda counts_BE: counts_BE * 2)
+    x = torch.randn(2, 8, ARGS.dim)
+    ref, ref_value = _grads(moe, x), moe_aux_loss(moe)
+    torch._dynamo.reset()
+    compiled = torch.compile(moe, fullgraph=True, backend="aot_eager")
+    _assert_close(_grads(compiled, x), ref)
+    torch.testing.assert_close(moe_aux_loss(moe), ref_value)
+    assert ref_value > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

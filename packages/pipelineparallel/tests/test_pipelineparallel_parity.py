@@ -6,7 +6,9 @@ in a row (plain SGD and a validation `eval_step` in between), the loss on the la
 gradient of every parameter it holds with a whole-model reference computed in the same process on
 the same batch with the same normalisation (summed token loss / valid tokens). The parent checks
 that the ranks together covered every parameter of the model. One 2-rank spawn serves every
-schedule in turn, and the aux-loss cases; one 4-rank spawn serves PP 2 x FSDP 2 and PP 4.
+schedule in turn, and the aux-loss cases (a loss term each block ties into its own output, as
+plait.models' MoE routers do, against one process adding it to the loss); one 4-rank spawn serves
+PP 2 x FSDP 2 and PP 4.
 
 The third step runs under the step sentinel with the document segments read on the host before
 it (as the trainer does): no host sync at all, so the segments followed the rows into every
@@ -154,8 +156,9 @@ def _check_eval_step(pipeline, stages, reference):
     assert all(p.grad is None for stage in stages for p in stage.module.parameters())
 
 
-# A loss term the blocks leave behind (like MoE balance losses): each block's forward stores one;
-# the pipeline ties every stage's into its output. name -> (schedule, n_layers, virtual, micro-batches)
+# A loss term each block makes (like MoE balance losses), tied into the block's own output so that
+# it trains in the block's backward (what plait.models' routers do); the reference adds it to the
+# loss. name -> (schedule, n_layers, virtual, micro-batches)
 AUX_CASES = {
     "aux_gpipe": ("GPipe", 2, 1, 2),
     "aux_1f1b": ("1F1B", 4, 1, 4),
@@ -164,23 +167,41 @@ AUX_CASES = {
 AUX_COEFF = 0.3
 
 
+def _block_aux(output):
+    return (output.float() ** 2).mean() * AUX_COEFF
+
+
+class _TieAux(torch.autograd.Function):
+    """Identity on `y`; in its backward `aux` gets the gradient `weight` (as plait.models' routers)."""
+
+    @staticmethod
+    def forward(ctx, y, aux, weight):
+        ctx.weight = weight
+        return y.detach()
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        return grad_y, torch.tensor(ctx.weight), None
+
+
 def _store_block_aux(block, args, output):
-    block.aux = (output.float() ** 2).mean() * AUX_COEFF
+    block.aux = _block_aux(output)
 
 
 def _collect_aux(module):
-    aux = [layer.__dict__.pop("aux") for layer in module.layers.values() if "aux" in layer.__dict__]
-    return torch.stack(aux).sum() if aux else 0.0
+    return torch.stack([layer.__dict__.pop("aux") for layer in module.layers.values()]).sum()
 
 
 def _aux_case(meshes, schedule, n_layers, virtual, n_mb):
     reference = _model(n_layers)
-    for layer in reference.layers.values():
-        layer.register_forward_hook(_store_block_aux)  # deep-copied with the stages
     stages = split_stages(reference, reference.parallel_info(), 2, meshes.pp_rank, None, virtual,
                           schedule_style(schedule))
-    pipeline = build_pipeline(stages, meshes.pp.get_group(), schedule, n_mb, _summed_loss, "cpu",
-                              aux_loss=lambda module: _collect_aux(module) / n_mb)
+    for stage in stages:  # each micro-batch's term, averaged like the accumulation's
+        for layer in stage.module.layers.values():
+            layer.register_forward_hook(lambda block, args, out: _TieAux.apply(out, _block_aux(out), 1 / n_mb))
+    for layer in reference.layers.values():
+        layer.register_forward_hook(_store_block_aux)
+    pipeline = build_pipeline(stages, meshes.pp.get_group(), schedule, n_mb, _summed_loss, "cpu")
     inputs, labels, documents = _batch(0)
     scale = 1.0 / (labels != IGNORE).sum().float()
     # The reference accumulates over the same micro-batches: the aux term is per micro-batch.

@@ -12,10 +12,9 @@ Document segments a caller read on the host and cached on its tensor (the plain-
 `_plait_document_segments`, one tuple per row; docs/contracts.md) follow the rows into the
 micro-batches, so no stage reads them back from the device.
 
-Losses a stage's layers leave behind (MoE sequence-wise balance losses) cannot join the last
-stage's loss: `aux_loss(stage_module)` is read right after each micro-batch's forward on every stage
-and tied into that stage's output, so the stage's backward gives it gradient 1 (the term is added
-to the objective as returned: the caller scales it).
+A loss term a stage's layers make (MoE sequence-wise balance losses) must train inside its own
+layers' backward, tied into their outputs (plait.models' routers do so): only the last stage's
+loss reaches the schedule.
 """
 
 import contextlib
@@ -30,30 +29,6 @@ from .split import Stage
 
 # Per-row document segments cached on a document-positions tensor (plain data, docs/contracts.md).
 SEGMENTS_ATTR = "_plait_document_segments"
-
-
-class _AddToObjective(torch.autograd.Function):
-    """Identity on `output`; in backward, `aux` gets gradient 1, as if added to the final loss."""
-
-    @staticmethod
-    def forward(ctx, output, aux):
-        ctx.aux_shape, ctx.aux_dtype = aux.shape, aux.dtype
-        # Same storage, no copy; not an autograd view, which torch's split backward detaches in place.
-        return output.detach()
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return grad_output, torch.ones(ctx.aux_shape, dtype=ctx.aux_dtype, device=grad_output.device)
-
-
-def _aux_loss_hook(aux_loss: Callable[[torch.nn.Module], torch.Tensor | float | None]):
-    def hook(module, args, output):
-        aux = aux_loss(module)
-        if not isinstance(aux, torch.Tensor) or not aux.requires_grad or not torch.is_grad_enabled():
-            return None  # nothing to train (no aux loss, or evaluation)
-        return _AddToObjective.apply(output, aux)
-
-    return hook
 
 
 class ScaledLoss:
@@ -142,21 +117,15 @@ def build_pipeline(
     n_microbatches: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     device: torch.device | str,
-    aux_loss: Callable[[torch.nn.Module], torch.Tensor | float | None] | None = None,
 ) -> Pipeline:
     """torch's schedule `schedule` (by name) over this rank's `stages` on the pp process group.
 
     `loss_fn(logits, labels)` returns the micro-batch's SUMMED token loss; `Pipeline.step(...,
-    scale=...)` multiplies it by the step's normaliser. `aux_loss(stage_module)`, if given, returns
-    the extra loss term a micro-batch's forward left in that stage (e.g. `moe_aux_loss(m) /
-    n_microbatches`), added to the objective with its gradient. Call after the stage modules are
-    sharded and materialised (FSDP / TP apply to each `stage.module`).
+    scale=...)` multiplies it by the step's normaliser. Call after the stage modules are sharded and
+    materialised (FSDP / TP apply to each `stage.module`).
     """
     name = schedule_name(schedule)
     device = torch.device(device)
-    if aux_loss is not None:
-        for s in stages:
-            s.module.register_forward_hook(_aux_loss_hook(aux_loss))
     pipeline_stages = [PipelineStage(s.module, s.index, s.num_stages, device, group=pp_group) for s in stages]
     loss = ScaledLoss(loss_fn)
     cls = get_schedule_class(name)

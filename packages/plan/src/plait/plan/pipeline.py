@@ -91,7 +91,7 @@ def trace_pipeline_step(config, plan, meshes, device, shims, documents_per_row: 
 
     plan = traceable_plan(plan)
     trainer = build_traced_trainer(config, plan, meshes, device, shims)
-    pipeline = build_trainer_pipeline(config, plan, meshes, trainer.pm, trainer.loss_fn, trainer.moe, device)
+    pipeline = build_trainer_pipeline(config, plan, meshes, trainer.pm, trainer.loss_fn, device)
     trainer.pipeline = pipeline
     batch = stage_batch(config, trainer, documents_per_row)
     counter = CollectiveCounter(axis_names(meshes))

@@ -1,5 +1,11 @@
-"""What a training step does for MoE models around forward/backward: the aux loss's share, the
+"""What a training step does for MoE models around forward/backward: the aux loss's settings, the
 load-balance bias update, and the step's MoE metrics.
+
+- Aux loss (model.aux_loss_coeff > 0): each router ties its sequence-wise balance loss into its
+  MoE block's output (plait.models.moe.configure_moe_aux_loss), so the loss trains inside that
+  block's backward and is never added to the step's loss. Before a step the routers get its
+  gradient weight, 1 / (forwards per optimizer step x tp), and under context parallel the sum of
+  each layer's expert-choice counts over the cp ranks (a functional all-reduce in the forward).
 
 - Load balance: the routers' token counts summed over every rank that routed different tokens
   (dp x cp; TP ranks route the same tokens inside the MoE's TP region, expert parallel moves
@@ -10,12 +16,13 @@ load-balance bias update, and the step's MoE metrics.
   busiest rank's expert work exceeds the mean: the other ranks wait for it in the all-to-alls,
   which no overlap hides (benchmarks/comm_skew.py measures that wait);
   (token, expert) pairs the capacity mode dropped on this rank, and the dispatchers' host syncs.
-- Pipeline parallel: each MoE layer lives on one stage; the aux loss is read per stage module, and
-  the imbalance of every layer reaches every rank (each stage fills its layers' slots, summed over pp).
+- Pipeline parallel: each MoE layer lives on one stage, its aux loss in that stage's backward; the
+  imbalance of every layer reaches every rank (each stage fills its layers' slots, summed over pp).
 """
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 
@@ -29,6 +36,7 @@ class MoEStep:
         self.ep = meshes.dims.ep
         self.coeff = getattr(model_args, "load_balance_coeff", 0.0) or 0.0
         self.aux_enabled = bool(getattr(model_args, "aux_loss_coeff", 0.0))
+        self._aux_forwards: int | None = None  # the forwards per step the routers were set for
         self.dispatchers = dispatchers or {}
         self._imbalance_L: torch.Tensor | None = None
         self._ep_imbalance_L: torch.Tensor | None = None
@@ -57,21 +65,28 @@ class MoEStep:
             return None
         return cls(model, model_args, meshes, dispatchers, whole_model)
 
-    def aux_loss(self, module: nn.Module | None = None) -> torch.Tensor | float:
-        """The sequence-wise balance loss of the last forward, this rank's share of it (of
-        `module`'s routers: one pipeline stage; default the whole local model)."""
-        from plait.models.moe import moe_aux_loss
+    def configure_aux_loss(self, forwards: int) -> None:
+        """Before a step of `forwards` forward passes per optimizer step (accumulation micro-batches,
+        or the pipeline's micro-batches): every router's aux-loss settings (nothing when the aux
+        loss is off, or when they are already these)."""
+        if not self.aux_enabled or forwards == self._aux_forwards:
+            return
+        from plait.models.moe import configure_moe_aux_loss
 
-        model = self.model if module is None else module
-        # Context parallel: each rank routed part of every sequence; the expert-choice counts are
-        # summed over the cp ranks and each rank's term carries its own tokens' affinities.
-        loss = moe_aux_loss(model, self.cp, self._reduce_over_cp) if self.cp > 1 else moe_aux_loss(model)
-        # Every TP rank computes the same aux loss inside the MoE's TP region, whose entry sums the
-        # ranks' input gradients: each rank contributes 1/tp, so the gradient arrives exactly once.
-        return loss / self.tp if self.tp > 1 else loss
+        # The step's objective averages its forwards. Every TP rank computes the same aux loss inside
+        # the MoE's TP region, whose entry sums the ranks' input gradients: each rank weighs it 1/tp,
+        # so the gradient arrives exactly once. Context parallel: each rank routed part of every
+        # sequence; the counts are summed over the cp ranks and each rank's term carries its own
+        # tokens' affinities (the gradient average over dp x cp takes the mean over the parts).
+        configure_moe_aux_loss(
+            self.model, grad_scale=1.0 / (forwards * self.tp), sequence_parts=self.cp,
+            reduce_counts=self._sum_over_cp if self.cp > 1 else None,
+        )  # fmt: skip
+        self._aux_forwards = forwards
 
-    def _reduce_over_cp(self, counts: torch.Tensor) -> None:
-        dist.all_reduce(counts, group=self.cp_group)
+    def _sum_over_cp(self, counts: torch.Tensor) -> torch.Tensor:
+        # Functional: waited at first use, and saved rather than repeated by selective AC.
+        return funcol.all_reduce(counts, "sum", self.cp_group)
 
     def _reduce_counts(self, counts_LE: torch.Tensor) -> None:
         if self.group is not None:

@@ -89,8 +89,9 @@ def split_stages(config: Config, plan: RunPlan, meshes: Meshes) -> list:
     return stages
 
 
-def build_trainer_pipeline(config: Config, plan: RunPlan, meshes: Meshes, pm, loss_fn, moe, device):
-    """torch's schedule over the stages: `loss_fn` the summed token loss, MoE aux losses per stage."""
+def build_trainer_pipeline(config: Config, plan: RunPlan, meshes: Meshes, pm, loss_fn, device):
+    """torch's schedule over the stages: `loss_fn` the summed token loss (MoE aux losses train in
+    their blocks' backward: StepRunner sets their weight, moe_step.py)."""
     from .validate import pipeline_microbatches
 
     pp_module = plan.parallel_modules["pp"]
@@ -98,12 +99,8 @@ def build_trainer_pipeline(config: Config, plan: RunPlan, meshes: Meshes, pm, lo
     depths = mtp_depths(plan.model_args)
     if depths:  # the last stage's loss: the main one and each depth's (mtp.py)
         loss_fn = PipelineMTPLoss(loss_fn, depths, plan.model_args.mtp_loss_scale)
-    aux = None
-    if moe is not None and moe.aux_enabled:
-        def aux(module):  # each micro-batch's balance loss, averaged like the accumulation's
-            return moe.aux_loss(module) / n_mb
     return pp_module.build_pipeline(
-        pm.stages, meshes.pp.get_group(), config.parallelism.pipeline_schedule, n_mb, loss_fn, device, aux_loss=aux
+        pm.stages, meshes.pp.get_group(), config.parallelism.pipeline_schedule, n_mb, loss_fn, device
     )
 
 

@@ -10,7 +10,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 from plait.mesh import clip_grad_norm_, grad_norm
 from plait.models.documents import MIN_DOCUMENTS_PER_ROW, documents_capacity, row_segments, to_device_with_segments
@@ -145,13 +145,6 @@ class StepRunner:
             dist.all_reduce(count, group=self.meshes.dp_cp.get_group())
         return count.clamp(min=1.0)
 
-    def _aux(self, loss: torch.Tensor, accumulation: int) -> torch.Tensor:
-        aux = self.moe.aux_loss() / accumulation
-        if isinstance(loss, DTensor) and not isinstance(aux, DTensor):
-            # Loss parallel makes the loss a replicated DTensor; the aux loss joins it as one.
-            aux = DTensor.from_local(aux, loss.device_mesh, [Replicate()], run_check=False)
-        return aux
-
     def _clip(self) -> torch.Tensor:
         params = list(self.pm.inner.parameters())
         max_norm = self.config.training.max_norm
@@ -200,6 +193,8 @@ class StepRunner:
         merged, see pipeline.merge_micro_batches) through the schedule; the loss, reported once from
         the last stage, summed over the pp ranks (the others contribute 0)."""
         (inputs_BS, labels_BS, positions, documents_BS, mtp), = [self.local_batch(*mb) for mb in micro_batches]
+        if self.moe is not None:  # each stage's MoE aux losses, one per pipeline micro-batch
+            self.moe.configure_aux_loss(self.pipeline.n_microbatches)
         autocast = self.pm.autocast or contextlib.nullcontext()
         kwargs = dict(positions=positions, document_positions=documents_BS)
         labels_main = labels_BS
@@ -227,7 +222,8 @@ class StepRunner:
     def train_step(self, micro_batches) -> tuple[torch.Tensor, torch.Tensor]:
         if self.pipeline is not None:
             return self._pipeline_step(micro_batches)
-        accumulation = len(micro_batches)
+        if self.moe is not None:  # the MoE aux loss trains in each forward's backward: 1 / accumulation
+            self.moe.configure_aux_loss(len(micro_batches))
         autocast = self.pm.autocast or contextlib.nullcontext()
         depths = mtp_depths(self.plan.model_args)
         # A micro-batch is (inputs, labels, document_positions). Without MTP, [B, S] labels and one
@@ -255,8 +251,6 @@ class StepRunner:
                     if mtp is not None:
                         losses += depth_losses(self.loss_fn, depth_logits, mtp[1], scales[1:])
                     total = objective(losses, getattr(self.plan.model_args, "mtp_loss_scale", 0.0))
-                    if self.moe and self.moe.aux_enabled:
-                        total = total + self._aux(losses[0], accumulation)
                 total.backward()
                 for i, loss in enumerate(losses):
                     detached = loss.detach()

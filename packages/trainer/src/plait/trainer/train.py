@@ -105,9 +105,7 @@ class Trainer:
         if self.pm.stages:
             from .pipeline import build_trainer_pipeline
 
-            self.pipeline = build_trainer_pipeline(
-                config, self.plan, self.meshes, self.pm, self.loss_fn, self.moe, self.device
-            )
+            self.pipeline = build_trainer_pipeline(config, self.plan, self.meshes, self.pm, self.loss_fn, self.device)
         self.runner = StepRunner(config, self.plan, self.meshes, self.pm, self.optimizer, self.scheduler, self.device,
                                  moe=self.moe, loss_fn=self.loss_fn, pipeline=self.pipeline)  # fmt: skip
         self.step = self.checkpointer.load()  # the last completed step: 0, or a resumed checkpoint's

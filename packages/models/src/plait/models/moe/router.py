@@ -5,8 +5,17 @@ to *select* experts; the weights that scale expert outputs come from the unbiase
 bias steers load without entering the gradient (DeepSeek-V3, arXiv:2408.15664). The bias moves
 once per optimizer step from the token counts accumulated over all micro-batches of that step
 (`update_expert_bias`), which keeps it exact under gradient accumulation.
+
+The optional sequence-wise balance loss (DeepSeek-V3 eq. 17-20) trains inside the block's own
+backward, as DeepSeek's `AddAuxiliaryLoss` does: the router ties it into its output weights with an
+identity whose backward also gives the loss its gradient, and keeps only its detached value. (Left
+on the router for the caller to add to the final loss, as it was before, the loss with its graph
+stayed there; under activation checkpointing each block's recomputation left its own there, whose
+graph held that block's recomputed activations until the next forward: by the end of the backward
+every block's at once.)
 """
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -29,6 +38,22 @@ def expert_bias_deltas(counts_LE: torch.Tensor, coeff: float) -> torch.Tensor:
     return delta_LE - delta_LE.mean(dim=-1, keepdim=True)
 
 
+class _TieAuxLoss(torch.autograd.Function):
+    """Identity on `y`; in `y`'s backward, `aux_loss` gets the gradient `weight`, as if `weight x
+    aux_loss` were added to the objective (DeepSeek's `AddAuxiliaryLoss`). No saved tensors."""
+
+    @staticmethod
+    def forward(ctx, y, aux_loss, weight):
+        ctx.weight, ctx.aux = weight, (aux_loss.shape, aux_loss.dtype, aux_loss.device)
+        # Same storage, no copy; not an autograd view of y.
+        return y.detach()
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        shape, dtype, device = ctx.aux
+        return grad_y, torch.full(shape, ctx.weight, dtype=dtype, device=device), None
+
+
 class TokenChoiceTopKRouter(nn.Module):
     """Scores `[T, E]`, picks `top_k` experts per token, returns their weights and the counts.
 
@@ -39,7 +64,9 @@ class TokenChoiceTopKRouter(nn.Module):
         n_groups, topk_groups: group-limited routing: experts form `n_groups` equal groups and a
             token may only pick from its best `topk_groups` groups (bounds cross-node traffic).
         aux_loss_coeff: if > 0, the sequence-wise balance loss of DeepSeek-V3 (eq. 17-20) is
-            computed in training and left on `self.aux_loss`; see `plait.models.moe.moe_aux_loss`.
+            computed in every training forward with gradients and tied into the returned weights
+            (its gradient `aux_grad_scale`, arriving in this block's backward); its value is left on
+            `self.aux_loss`. See `plait.models.moe.configure_moe_aux_loss` and `moe_aux_loss`.
     """
 
     def __init__(
@@ -68,8 +95,13 @@ class TokenChoiceTopKRouter(nn.Module):
         self.n_groups = n_groups
         self.topk_groups = topk_groups
         self.aux_loss_coeff = aux_loss_coeff
+        # The last training forward's balance loss, detached (to log); None after any other forward.
         self.aux_loss: torch.Tensor | None = None
-        self.aux_stats: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        # Set by configure_moe_aux_loss: the gradient the loss gets (1 / micro-batches per step, ...),
+        # and under context parallel the parts each sequence is split into and the counts' sum over them.
+        self.aux_grad_scale = 1.0
+        self.aux_sequence_parts = 1
+        self.aux_reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None
         # Persistent: the bias is training state a checkpoint must carry (HF calls it
         # e_score_correction_bias). The counter is per-step scratch, so it is not saved.
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
@@ -123,31 +155,38 @@ class TokenChoiceTopKRouter(nn.Module):
             with torch.no_grad():
                 self.tokens_per_expert.add_(num_tokens_per_expert_E)
 
-        if self.aux_loss_coeff > 0 and self.training:
-            self.aux_loss = self._sequence_balance_loss(scores_TE, selected_experts_TK, num_seqs)
+        self.aux_loss = None
+        if self.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():
+            aux_loss = self._sequence_balance_loss(scores_TE, selected_experts_TK, num_seqs)
+            self.aux_loss = aux_loss.detach()
+            # The weights always feed the block's output: their backward, inside this block's,
+            # starts the loss's (no eval or no-grad forward computes it).
+            top_scores_TK = _TieAuxLoss.apply(top_scores_TK, aux_loss, self.aux_grad_scale)
         return top_scores_TK, selected_experts_TK, num_tokens_per_expert_E
 
     def _sequence_balance_loss(
         self, scores_TE: torch.Tensor, selected_experts_TK: torch.Tensor, num_seqs: int
     ) -> torch.Tensor:
-        """alpha * sum_e f_e * P_e per sequence, averaged over sequences (DeepSeek-V3 eq. 17-20)."""
-        E = self.num_experts
+        """alpha * sum_e f_e * P_e per sequence, averaged over sequences (DeepSeek-V3 eq. 17-20).
+
+        Context parallel (`aux_sequence_parts` > 1): this rank holds a part of every sequence. The
+        counts f_e are summed over the parts (`aux_reduce_counts`, one collective per layer) and
+        P_e is this part's mean, so the mean of the parts' losses is the exact loss, and its
+        gradient reaches each token's affinities once, through the rank that holds the token.
+        """
+        E, K = self.num_experts, self.top_k
         S = scores_TE.shape[0] // num_seqs
-        # P_e: mean normalised affinity of expert e over the sequence.
+        # P_e: mean normalised affinity of expert e over the sequence (this rank's part of it).
         probs_BSE = (scores_TE / scores_TE.sum(dim=-1, keepdim=True)).view(num_seqs, S, E)
         P_BE = probs_BSE.mean(dim=1)
         # How often the sequence chose each expert (no gradient: f_e is a count).
         chosen_BE = torch.zeros(num_seqs, E, device=scores_TE.device).scatter_add_(
-            1, selected_experts_TK.view(num_seqs, S * self.top_k), torch.ones(num_seqs, S * self.top_k, device=scores_TE.device)
+            1, selected_experts_TK.view(num_seqs, S * K), torch.ones(num_seqs, S * K, device=scores_TE.device)
         )
-        # Kept for a caller whose sequences are split over ranks (context parallel): it sums the
-        # counts over the parts and rebuilds the loss (plait.models.moe.moe_aux_loss).
-        self.aux_stats = (chosen_BE, P_BE, S)
-        return self.balance_loss(chosen_BE, P_BE, S)
-
-    def balance_loss(self, chosen_BE: torch.Tensor, P_BE: torch.Tensor, seq_len: int) -> torch.Tensor:
+        if self.aux_reduce_counts is not None:
+            chosen_BE = self.aux_reduce_counts(chosen_BE)
         # f_e: fraction of the sequence's selections that went to e, scaled so uniform == 1.
-        f_BE = chosen_BE * self.num_experts / (self.top_k * seq_len)
+        f_BE = chosen_BE * E / (K * S * self.aux_sequence_parts)
         return self.aux_loss_coeff * (f_BE * P_BE).sum(dim=-1).mean()
 
     @torch.no_grad()
