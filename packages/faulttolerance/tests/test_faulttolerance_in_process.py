@@ -131,7 +131,8 @@ def test_quorum_timeout_names_the_lighthouse():
             _alone(lighthouse.address())
         lighthouse_min1 = start_lighthouse(min_replicas=1)
         with pytest.raises(QuorumFault) as too_few:  # the lighthouse allows 1, the config wants 2
-            _alone(lighthouse_min1.address(), min_replicas=2)
+            # 3 s: room for the first quorum's answer on a loaded machine (1 s ran out inside it).
+            _alone(lighthouse_min1.address(), min_replicas=2, quorum_timeout_s=3.0)
         lighthouse_min1.shutdown()
     finally:
         lighthouse.shutdown()

@@ -96,11 +96,19 @@ class ReplicaGroup:
             return QuorumInfo(self.participants, self.step, recovered=False)
         deadline = time.monotonic() + self.config.quorum_timeout_s
         with declared_sync("fault tolerance: the step's quorum"):
+            too_few_seen = False
             while True:
                 remaining = max(deadline - time.monotonic(), 0.001)
-                self.manager.start_quorum(timeout=_seconds(remaining))
+                try:
+                    self.manager.start_quorum(timeout=_seconds(remaining))
+                except QuorumFault:
+                    # The wait ran out inside a re-quorum: what it lacked is what the last one had.
+                    if too_few_seen:
+                        raise QuorumFault(self._too_few_line()) from None
+                    raise
                 if self.manager.num_participants() >= self.config.min_replicas:
                     break
+                too_few_seen = True
                 if time.monotonic() >= deadline:
                     raise QuorumFault(self._too_few_line())
                 time.sleep(_REQUORUM_PAUSE_S)
