@@ -118,6 +118,25 @@ def test_a_stopped_rank_costs_the_timeout_not_ten_minutes_and_is_named(tmp_path)
     assert last.startswith("plait-train: rank 1 of 2 stalled: rank 0 timed out"), last
 
 
+def test_forked_ranks_are_the_spawned_ranks_twin(tmp_path):
+    """plait-train --nproc-per-node forks its ranks from a factory that imported the trainer once
+    (plait.trainer.rank_factory; job.rank_start = auto on a CPU build of torch): the same losses,
+    the same failure line and exit code through torch's agent as spawned ranks, and both ranks'
+    own exit codes reach the launcher's summary."""
+    from plait.testing.trainer import losses
+    from plait.trainer.rank_factory import fork_problem
+
+    assert fork_problem() is None  # so auto forks here, as the "fork" run asks
+    env = {"PLAIT_TEST_FAULT": "2:lost_peer"}
+    runs = {start: run_cli(tmp_path / start, *TINY, "--nproc-per-node", "2", "--job.rank_start", start, env=env,
+                           expect=exit_codes.INFRA) for start in ("fork", "spawn")}  # fmt: skip
+    last = {start: r.stderr.strip().splitlines()[-1].replace(str(tmp_path / start), "DUMP") for start, r in runs.items()}
+    assert last["fork"] == last["spawn"] and last["fork"].startswith("plait-train: rank 0 of 2 failed first"), last
+    assert "then rank 1" in last["fork"] and "spawning the ranks instead" not in runs["fork"].stderr, last
+    assert losses(tmp_path / "fork") == losses(tmp_path / "spawn") and len(losses(tmp_path / "fork")) == 1
+    assert _status(tmp_path / "fork") == _status(tmp_path / "spawn") == str(exit_codes.INFRA)
+
+
 def test_a_warm_forked_run_is_the_fresh_runs_twin(tmp_path, monkeypatch):
     """run_cli forks plait-train from a process that imported it once (plait.testing.warm_cli):
     the exit code, the output and what the run reads from its environment are a fresh

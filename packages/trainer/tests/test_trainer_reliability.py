@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from plait.checkpoint import store
-from plait.testing.trainer import cli_env, read_metrics, run_cli
+from plait.testing.trainer import cli_env, rank_pids, read_metrics, run_cli
 from plait.trainer.cli import EXIT_CONFIG, EXIT_DIVERGED, EXIT_STOPPED
 from plait.trainer.config import LRSchedulerConfig
 from plait.trainer.lr_scheduler import lr_factor
@@ -205,8 +205,10 @@ def test_launcher_sigterm_stops_ranks_with_a_checkpoint_and_sigkill_takes_the_ra
     proc = start(dump, nproc=2)
     try:
         wait_for_step(proc, 2)
-        ranks = [pid for pid in _children(proc.pid) if "plait.trainer" in Path(f"/proc/{pid}/cmdline").read_text()]
-        assert len(ranks) == 2, ranks
+        # The ranks, and every other process the launcher started (the ranks' clients and their
+        # factory when forked: plait.trainer.rank_factory).
+        ranks = [*rank_pids(proc.pid).values(), *_children(proc.pid)]
+        assert len(rank_pids(proc.pid)) == 2, ranks
         proc.kill()
         proc.wait(timeout=30)
         deadline = time.monotonic() + 20

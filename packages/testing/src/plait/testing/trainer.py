@@ -51,19 +51,40 @@ def start_two_ranks(dump: Path, *args: str, until: str, timeout: float = 240) ->
 
 
 def rank_pids(launcher: int) -> dict[int, int]:
-    """{RANK: pid} of a launcher's rank processes (from their environment)."""
-    ranks = {}
+    """{RANK: pid} of a launcher's rank processes: its descendants named `plait-rank<RANK>` (the
+    name plait-train gives a rank: a rank forked by plait-train's launcher shows the launcher's
+    environment and command line in /proc), else by RANK in the environment (a rank that has not
+    named itself yet, or a rank's stand-in: rank_client.py)."""
+    found = {}  # pid -> (parent, name, RANK in the environment)
     for child in Path("/proc").glob("[0-9]*"):
         try:
             stat = (child / "stat").read_text()
             environ = (child / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        name, rest = stat.split("(", 1)[1].rsplit(")", 1)
         rank = next((int(v[5:]) for v in environ if v.startswith(b"RANK=")), None)
-        if rank is not None and (parent == launcher or parent in ranks.values()):
-            ranks[rank] = int(child.name)
-    return ranks
+        found[int(child.name)] = (int(rest.split()[1]), name, rank)
+
+    def depth(pid: int) -> int | None:  # generations below the launcher
+        for generation in range(1, 8):
+            pid = found.get(pid, (0,))[0]
+            if pid == launcher:
+                return generation
+        return None
+
+    ranks: dict[int, tuple] = {}
+    for pid, (_, name, environ_rank) in found.items():
+        named = name.startswith("plait-rank") and name[10:].isdigit()
+        rank = int(name[10:]) if named else environ_rank
+        below = depth(pid)
+        if rank is None or below is None:
+            continue
+        # A named rank before a stand-in; a rank before its own children (which inherit its name).
+        key = (not named, below)
+        if rank not in ranks or key < ranks[rank][0]:
+            ranks[rank] = (key, pid)
+    return {rank: pid for rank, (_, pid) in sorted(ranks.items())}
 
 
 def parity_args(steps: int = 4, seq_len: int = 64, lr: float = 3e-3) -> list[str]:

@@ -30,6 +30,7 @@ from .launch import (
     EXIT_OOM,
     EXIT_STOPPED,
     launch_holding_the_lock,
+    rank_factory,
     stopped_message,
 )
 from .log import EVERY_RANK, cli_log
@@ -154,8 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     quiet_known_noise()
     if _under_launcher():
         from .launcher_watch import die_with_launcher
+        from .rank_factory import name_process
 
         die_with_launcher()
+        name_process(f"plait-rank{os.environ.get('RANK', '')}")  # how tests and users find a rank
     built: list = []  # the config, once built (a config error writes exit_status only then)
     try:
         return _main(argv, built)
@@ -183,8 +186,13 @@ def _main(argv: list[str], built: list) -> int:
     if args.nproc_per_node > 1 and not _under_launcher():
         from .validate import validate
 
-        validate(config, world_size=args.nproc_per_node, check_memory=True)  # fail here, before any rank starts
-        return launch_holding_the_lock(config, args.nproc_per_node, args.forward)
+        factory = rank_factory(config)
+        try:
+            validate(config, world_size=args.nproc_per_node, check_memory=True)  # fail here, before any rank starts
+            return launch_holding_the_lock(config, args.nproc_per_node, args.forward, factory)
+        finally:
+            if factory is not None:
+                factory.close()
     from .train import run
 
     finished = run(config)

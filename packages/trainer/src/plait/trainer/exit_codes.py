@@ -99,3 +99,23 @@ def _remove(path: Path) -> None:
         path.unlink()
     except OSError:
         pass
+
+
+def exit_without_teardown(code: int):
+    """Exit with `code` as the interpreter would (non-daemon threads joined, atexit handlers run,
+    output flushed), but without C++ static teardown. A rank that failed may leave its process
+    group's gloo threads alive, and their destructors then abort the process ("terminate called
+    without an active exception", SIGABRT): the launcher would report that instead of `code`."""
+    import atexit
+    import sys
+    import threading
+
+    try:
+        threading._shutdown()
+        atexit._run_exitfuncs()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)

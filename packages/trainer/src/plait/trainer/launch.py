@@ -6,6 +6,7 @@ import signal
 
 from . import exit_codes
 from .log import cli_log
+from .rank_factory import client_command
 
 EXIT_FINISHED, EXIT_DIVERGED, EXIT_CONFIG = exit_codes.FINISHED, exit_codes.DIVERGED, exit_codes.CONFIG
 EXIT_STOPPED, EXIT_INTERRUPTED = exit_codes.STOPPED, exit_codes.INTERRUPTED
@@ -13,8 +14,9 @@ EXIT_INFRA, EXIT_ERROR = exit_codes.INFRA, exit_codes.ERROR
 EXIT_OOM, EXIT_REPEATED = exit_codes.OUT_OF_MEMORY, exit_codes.REPEATED
 
 
-def launch(nproc: int, forward: list[str], stop_grace_s: int, config=None) -> int:
-    """Start `nproc` local ranks of `python -m plait.trainer <forward>` with torch's elastic launcher.
+def launch(nproc: int, forward: list[str], stop_grace_s: int, config=None, factory=None) -> int:
+    """Start `nproc` local ranks of `python -m plait.trainer <forward>` with torch's elastic launcher,
+    forked from `factory` (rank_factory(): then the agent starts each rank's client) or spawned.
 
     On SIGTERM the launcher forwards it to the ranks (which finish their step and save) and waits
     `stop_grace_s` for them before SIGKILL (torch's default of 30 s cuts off large saves).
@@ -31,9 +33,9 @@ def launch(nproc: int, forward: list[str], stop_grace_s: int, config=None) -> in
     # Each restart gets a store of its own (torch's shared one let restarted ranks read the previous
     # attempt's gloo addresses: plait.mesh.elastic_problem).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    rank_command = ["--no-python", *client_command()] if factory else ["--module", "plait.trainer"]
     launcher_args = get_args_parser().parse_args(
-        ["--standalone", f"--nproc-per-node={nproc}", f"--shutdown-timeout={stop_grace_s}", "--module",
-         "plait.trainer", *forward]
+        ["--standalone", f"--nproc-per-node={nproc}", f"--shutdown-timeout={stop_grace_s}", *rank_command, *forward]
     )  # fmt: skip
     import time
 
@@ -64,6 +66,25 @@ def launch(nproc: int, forward: list[str], stop_grace_s: int, config=None) -> in
         cli_log.info(f"stopped by signal {e.sigval}; {stopped_message(config)}")
         return EXIT_STOPPED
     return EXIT_FINISHED
+
+
+def rank_factory(config):
+    """The rank factory the ranks will be forked from (rank_factory.py), or None: spawned ranks
+    (job.rank_start = spawn, or auto where forking is not safe). Made before the launcher validates
+    the run (whose threads a fork would not carry): the factory imports while the launcher checks."""
+    from .rank_factory import RankFactory, fork_problem
+
+    start = config.job.rank_start if config is not None else "auto"
+    if start == "spawn":
+        return None
+    problem = fork_problem()
+    if problem is not None:
+        if start == "fork":
+            cli_log.warning(f"job.rank_start = fork: spawning the ranks instead: {problem}.")
+        return None
+    factory = RankFactory()
+    os.environ.update(factory.env())  # the agent passes the launcher's environment to each rank's client
+    return factory
 
 
 def _how(code: int) -> str:
@@ -157,7 +178,7 @@ def stopped_message(config=None) -> str:
     return f"{stopped}; the same command resumes from {path} (step {meta['step']}), the newest complete checkpoint."
 
 
-def launch_holding_the_lock(config, nproc: int, forward: list[str]) -> int:
+def launch_holding_the_lock(config, nproc: int, forward: list[str], factory=None) -> int:
     """The launcher holds the dump folder's lock for its ranks (they see PLAIT_RUN_LOCK and skip it)."""
     from .run_lock import HELD_BY_LAUNCHER, RunLock
 
@@ -168,7 +189,7 @@ def launch_holding_the_lock(config, nproc: int, forward: list[str]) -> int:
     os.environ[HELD_BY_LAUNCHER] = str(lock.path)
     code = EXIT_ERROR  # if launch itself raises
     try:
-        code = launch(nproc, forward, config.job.stop_grace_s, config)
+        code = launch(nproc, forward, config.job.stop_grace_s, config, factory)
     finally:
         code = lock.release(code)
     if lock.why:

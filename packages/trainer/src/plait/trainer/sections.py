@@ -22,6 +22,11 @@ class JobConfig:
     """On SIGTERM, seconds `plait-train --nproc-per-node` gives its ranks to finish the step and save
     a checkpoint before it SIGKILLs them (torch elastic's shutdown timeout; under torchrun pass
     --shutdown-timeout). Send the signal at least this long before a scheduler's hard limit."""
+    rank_start: Literal["auto", "fork", "spawn"] = "auto"
+    """How `plait-train --nproc-per-node` starts its ranks. fork: from a process that has imported
+    torch and the trainer once (a spawned rank spends ~15 s of CPU on those imports, every rank at
+    once); spawn: `python -m plait.trainer` per rank, as torchrun does. auto: fork where torch has
+    no CUDA build, else spawn (a process forked after CUDA's driver started cannot use it)."""
     collective_timeout_s: float = 600.0
     """Seconds a collective waits for a rank that does not join (a stalled or stopped process, a
     lost node) before it fails (exit 74, naming the rank it waited on: see heartbeat.py). Large
