@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from plait.testing.trainer import cli_env, run_cli
+from plait.testing.trainer import cli_env, run_cli, start_cli
 
 STEPS = 20
 # fmt: off
@@ -160,12 +160,8 @@ def test_resume_on_other_layouts_continues_the_run(tmp_path):
 
 def test_sigterm_saves_a_checkpoint_before_exiting(tmp_path):
     dump = tmp_path / "sigterm"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "plait.trainer", *COMMON, *LAYOUTS[1], "--training.steps", "10000",
-         "--checkpoint.interval", "0", "--metrics.log_freq", "1", "--job.dump_folder", str(dump)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=cli_env(),
-    )  # fmt: skip
+    proc = start_cli(dump, *COMMON, *LAYOUTS[1], "--training.steps", "10000", "--checkpoint.interval", "0",
+                     "--metrics.log_freq", "1")  # fmt: skip
     try:
         for line in proc.stdout:
             if line.startswith("step      3"):

@@ -124,14 +124,13 @@ def test_forked_ranks_are_the_spawned_ranks_twin(tmp_path):
     the same failure line and exit code through torch's agent as spawned ranks, and both ranks'
     own exit codes reach the launcher's summary."""
     from plait.testing.trainer import losses
-    from plait.trainer.rank_factory import fork_problem
 
-    assert fork_problem() is None  # so auto forks here, as the "fork" run asks
     env = {"PLAIT_TEST_FAULT": "2:lost_peer"}
     runs = {start: run_cli(tmp_path / start, *TINY, "--nproc-per-node", "2", "--job.rank_start", start, env=env,
                            expect=exit_codes.INFRA) for start in ("fork", "spawn")}  # fmt: skip
     last = {start: r.stderr.strip().splitlines()[-1].replace(str(tmp_path / start), "DUMP") for start, r in runs.items()}
     assert last["fork"] == last["spawn"] and last["fork"].startswith("plait-train: rank 0 of 2 failed first"), last
+    # (A launcher that cannot fork says so, and spawns.)
     assert "then rank 1" in last["fork"] and "spawning the ranks instead" not in runs["fork"].stderr, last
     assert losses(tmp_path / "fork") == losses(tmp_path / "spawn") and len(losses(tmp_path / "fork")) == 1
     assert _status(tmp_path / "fork") == _status(tmp_path / "spawn") == str(exit_codes.INFRA)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from plait.checkpoint import store
-from plait.testing.trainer import cli_env, rank_pids, read_metrics, run_cli
+from plait.testing.trainer import rank_pids, read_metrics, run_cli, start_cli
 from plait.trainer.cli import EXIT_CONFIG, EXIT_DIVERGED, EXIT_STOPPED
 from plait.trainer.config import LRSchedulerConfig
 from plait.trainer.lr_scheduler import lr_factor
@@ -61,11 +61,7 @@ def one_error_line(result: subprocess.CompletedProcess) -> str:
 def start(dump: Path, *args, nproc: int = 1) -> subprocess.Popen:
     """A long run in the background (log every step), for signals."""
     launcher = ["--nproc-per-node", str(nproc), "--training.local_batch_size", "1"] if nproc > 1 else []
-    return subprocess.Popen(
-        [sys.executable, "-m", "plait.trainer", *COMMON, *launcher, "--training.steps", "100000",
-         "--metrics.log_freq", "1", "--job.dump_folder", str(dump), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(),
-    )  # fmt: skip
+    return start_cli(dump, *COMMON, *launcher, "--training.steps", "100000", "--metrics.log_freq", "1", *args)
 
 
 def wait_for_step(proc: subprocess.Popen, step: int, timeout: float = 120) -> None:

@@ -5,15 +5,13 @@ All runs train the debug model on the shipped corpus with the same global batch 
 """
 
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from plait.testing import trainer as testing
-from plait.testing.trainer import cli_env, losses, read_metrics
+from plait.testing.trainer import losses, read_metrics, start_cli
 
 KEYS = {"step", "loss", "grad_norm", "lr", "tokens_per_second", "mfu", "memory_gib"}
 STEPS = 6
@@ -92,28 +90,8 @@ def test_bfloat16_and_moe_run(tmp_path):
 
 def test_sigterm_finishes_the_step_and_exits_cleanly(tmp_path):
     dump = tmp_path / "sigterm"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "plait.trainer",
-            *COMMON,
-            "--training.steps",
-            "10000",
-            "--metrics.log_freq",
-            "1",
-            "--training.local_batch_size",
-            "1",
-            "--metrics.tensorboard",
-            "false",
-            "--job.dump_folder",
-            str(dump),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=cli_env(),
-    )
+    proc = start_cli(dump, *COMMON, "--training.steps", "10000", "--metrics.log_freq", "1",
+                     "--training.local_batch_size", "1", "--metrics.tensorboard", "false")  # fmt: skip
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:

@@ -31,16 +31,26 @@ def run_cli(
     return result
 
 
+def start_cli(dump: Path, *args: str, env: dict[str, str] | None = None):
+    """`python -m plait.trainer --job.dump_folder DUMP ARGS...` in the background, forked from a warm
+    process where it can be (plait.testing.warm_cli): a subprocess.Popen, or a handle with the same
+    use (pid, stdout and stderr pipes in text mode, poll, wait, communicate, send_signal, kill)."""
+    from .warm_cli import start_warm
+
+    argv, full_env = ["--job.dump_folder", str(dump), *args], {**cli_env(), **(env or {})}
+    return start_warm(argv, full_env) or subprocess.Popen(
+        [sys.executable, "-m", "plait.trainer", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=full_env,
+    )  # fmt: skip
+
+
 def start_two_ranks(dump: Path, *args: str, until: str, timeout: float = 240) -> subprocess.Popen:
     """`plait-train --nproc-per-node 2` training (for ever) in the background, returned once
     `<dump>/<until>` exists (a checkpoint folder, metrics.jsonl): the moment a test acts on it."""
     import time
 
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "plait.trainer", *args, "--nproc-per-node", "2", "--training.local_batch_size", "1",
-         "--training.steps", "100000", "--job.dump_folder", str(dump)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(),
-    )  # fmt: skip
+    proc = start_cli(dump, *args, "--nproc-per-node", "2", "--training.local_batch_size", "1", "--training.steps",
+                     "100000")  # fmt: skip
     deadline = time.monotonic() + timeout
     while not (Path(dump) / until).exists():
         if proc.poll() is not None or time.monotonic() > deadline:

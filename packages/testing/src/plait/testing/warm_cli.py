@@ -99,6 +99,87 @@ def run_warm(argv: list[str], env: dict[str, str], timeout: float) -> subprocess
         shutil.rmtree(folder, ignore_errors=True)  # this call's own mkdtemp folder
 
 
+def start_warm(argv: list[str], env: dict[str, str]) -> WarmProcess | None:
+    """`python -m plait.trainer *argv` forked by a warm server, running in the background: a
+    Popen-like handle whose stdout and stderr are pipes (FIFOs) as with `stdout=PIPE, text=True`.
+    None where run_warm would give None."""
+    if os.environ.get("PLAIT_TEST_FRESH_CLI") == "1":
+        return None
+    with _lock:
+        server = _server_for(env)
+        if not server["ok"]:
+            return None
+        folder = Path(tempfile.mkdtemp(prefix="plait-cli-"))
+        for name in ("out", "err"):
+            os.mkfifo(folder / name)
+        request = dict(argv=argv, env=env, cwd=os.getcwd(), stdout=str(folder / "out"), stderr=str(folder / "err"),
+                       status=str(folder / "status"))  # fmt: skip
+        server["proc"].stdin.write(json.dumps(request) + "\n")
+        server["proc"].stdin.flush()
+        pid = int(server["proc"].stdout.readline())
+    return WarmProcess(["plait-train", *argv], pid, folder)
+
+
+class WarmProcess:
+    """What subprocess.Popen gives for a run, for one a warm server forked: pid, stdout, stderr,
+    returncode, poll, wait, communicate, send_signal, terminate, kill."""
+
+    def __init__(self, args: list[str], pid: int, folder: Path):
+        self.args, self.pid, self.folder, self.returncode = args, pid, folder, None
+        # The child opens them for writing first thing (plait.testing.forked_main): these opens
+        # return then, in the same order.
+        self.stdout = open(folder / "out")  # noqa: SIM115  (closed by communicate / the handle's end)
+        self.stderr = open(folder / "err")  # noqa: SIM115
+
+    def poll(self) -> int | None:
+        status = self.folder / "status"
+        if self.returncode is None and status.exists():
+            self.returncode = int(status.read_text())
+            shutil.rmtree(self.folder, ignore_errors=True)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """Read both pipes to their end (the run's exit), then wait for the exit code."""
+        outputs = {}
+
+        def drain(name: str) -> None:
+            stream = getattr(self, name)
+            outputs[name] = stream.read()
+            stream.close()
+
+        readers = [threading.Thread(target=drain, args=(name,), daemon=True) for name in ("stdout", "stderr")]
+        for reader in readers:
+            reader.start()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for reader in readers:
+            reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if reader.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()) + 5)
+        return outputs["stdout"], outputs["stderr"]
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(15)
+
+    def kill(self) -> None:
+        self.send_signal(9)
+
+
 def _read(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
