@@ -6,7 +6,6 @@ environment, stdin from /dev/null, stdout and stderr to files, `__main__`, inter
 
 from __future__ import annotations
 
-import atexit
 import os
 import sys
 from pathlib import Path
@@ -20,11 +19,8 @@ def become_main(argv: list[str], cwd: str | Path, stdout: str | Path, stderr: st
     argv: ["-m", module, args...] or [script, args...] (a script relative to cwd). env: the whole
     environment (None: keep this one). new_session: a process group of its own, so that a caller
     can kill the run and every process it started."""
-    import runpy
-    import threading
     import traceback
 
-    code = 1
     try:
         if new_session:
             os.setsid()
@@ -35,28 +31,9 @@ def become_main(argv: list[str], cwd: str | Path, stdout: str | Path, stderr: st
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
         for fd, path in ((1, stdout), (2, stderr)):
             os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
-        sys.path[0] = str(cwd)
-        try:
-            if argv[0] == "-m":
-                sys.argv = argv[1:]
-                runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-            else:
-                sys.argv = list(argv)  # as `python script.py` has it; __file__ absolute, as there
-                runpy.run_path(str(Path(cwd) / argv[0]), run_name="__main__")
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            if not isinstance(e.code, (int, type(None))):
-                print(e.code, file=sys.stderr)
-        except BaseException:
-            traceback.print_exc()
-        threading._shutdown()  # as the interpreter does at exit: join non-daemon threads
-        atexit._run_exitfuncs()
+        from plait.trainer.rank_factory import run_as_main
     except BaseException:
         traceback.print_exc()
-    finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+        sys.stderr.flush()
+        os._exit(1)
+    run_as_main(list(argv), cwd)

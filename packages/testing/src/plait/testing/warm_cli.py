@@ -68,9 +68,9 @@ def _start(env: dict[str, str]) -> dict:
     return {"proc": proc, "ok": ready == "ready"}
 
 
-def run_warm(argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess | None:
-    """Run `python -m plait.trainer *argv` as a child of a warm server started with `env`'s
-    import-time part; None under PLAIT_TEST_FRESH_CLI=1 or where no server could start."""
+def _fork(argv: list[str], env: dict[str, str], fifos: bool) -> tuple[int, Path] | None:
+    """Have a warm server fork the run: its pid and the folder of its out / err (FIFOs if `fifos`)
+    and status files; None under PLAIT_TEST_FRESH_CLI=1 or where no server could start."""
     if os.environ.get("PLAIT_TEST_FRESH_CLI") == "1":
         return None
     with _lock:
@@ -78,11 +78,22 @@ def run_warm(argv: list[str], env: dict[str, str], timeout: float) -> subprocess
         if not server["ok"]:
             return None
         folder = Path(tempfile.mkdtemp(prefix="plait-cli-"))
+        for name in ("out", "err") if fifos else ():
+            os.mkfifo(folder / name)
         request = dict(argv=argv, env=env, cwd=os.getcwd(), stdout=str(folder / "out"), stderr=str(folder / "err"),
                        status=str(folder / "status"))  # fmt: skip
         server["proc"].stdin.write(json.dumps(request) + "\n")
         server["proc"].stdin.flush()
-        pid = int(server["proc"].stdout.readline())
+        return int(server["proc"].stdout.readline()), folder
+
+
+def run_warm(argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess | None:
+    """Run `python -m plait.trainer *argv` as a child of a warm server started with `env`'s
+    import-time part; None under PLAIT_TEST_FRESH_CLI=1 or where no server could start."""
+    forked = _fork(argv, env, fifos=False)
+    if forked is None:
+        return None
+    pid, folder = forked
     status, deadline = folder / "status", time.monotonic() + timeout
     try:
         while not status.exists():
@@ -103,20 +114,10 @@ def start_warm(argv: list[str], env: dict[str, str]) -> WarmProcess | None:
     """`python -m plait.trainer *argv` forked by a warm server, running in the background: a
     Popen-like handle whose stdout and stderr are pipes (FIFOs) as with `stdout=PIPE, text=True`.
     None where run_warm would give None."""
-    if os.environ.get("PLAIT_TEST_FRESH_CLI") == "1":
+    forked = _fork(argv, env, fifos=True)
+    if forked is None:
         return None
-    with _lock:
-        server = _server_for(env)
-        if not server["ok"]:
-            return None
-        folder = Path(tempfile.mkdtemp(prefix="plait-cli-"))
-        for name in ("out", "err"):
-            os.mkfifo(folder / name)
-        request = dict(argv=argv, env=env, cwd=os.getcwd(), stdout=str(folder / "out"), stderr=str(folder / "err"),
-                       status=str(folder / "status"))  # fmt: skip
-        server["proc"].stdin.write(json.dumps(request) + "\n")
-        server["proc"].stdin.flush()
-        pid = int(server["proc"].stdout.readline())
+    pid, folder = forked
     return WarmProcess(["plait-train", *argv], pid, folder)
 
 

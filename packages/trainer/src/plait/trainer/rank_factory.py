@@ -33,6 +33,9 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
+from typing import NoReturn
+
+from .exit_codes import exit_without_teardown
 
 PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15
 # What the factory imports once, so that no rank does (a package this install lacks is skipped).
@@ -178,10 +181,8 @@ def _reap(ranks: dict[int, socket.socket], waiting: dict[socket.socket, int]) ->
 def _become_rank(request: dict, fds: list[int]) -> None:
     """In the forked child: become `python -m plait.trainer ARGV` and exit as its interpreter would."""
     import atexit
-    import runpy
     import traceback
 
-    code = 1
     try:
         factory = os.getppid()
         os.setsid()  # as torch's agent starts a rank: Ctrl-C at a terminal reaches the launcher only
@@ -206,27 +207,36 @@ def _become_rank(request: dict, fds: list[int]) -> None:
         sys.stdout.reconfigure(write_through=True)  # as `python -u`, which the agent runs ranks with
         sys.stderr.reconfigure(write_through=True)
         atexit._clear()  # the launcher's
-        sys.argv = [str(Path(__file__).with_name("__main__.py")), *request["argv"]]
-        sys.path[0] = request["cwd"]
-        try:
-            runpy.run_module("plait.trainer", run_name="__main__", alter_sys=True)
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            if not isinstance(e.code, (int, type(None))):
-                print(e.code, file=sys.stderr)
-        except BaseException:
-            traceback.print_exc()
-        threading._shutdown()  # as the interpreter does at exit: join non-daemon threads
-        atexit._run_exitfuncs()
     except BaseException:
         traceback.print_exc()
-    finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+        exit_without_teardown(1)
+    run_as_main(["-m", "plait.trainer", *request["argv"]], request["cwd"])
+
+
+def run_as_main(argv: list[str], cwd: str | Path) -> NoReturn:
+    """Run `python *argv` in this (forked) process and exit as its interpreter would (its exit
+    code; threads joined, atexit handlers run; no C++ teardown). argv: ["-m", module, args...] or
+    [script, args...] (relative to cwd). Also plait.testing's forked runs (forked_main)."""
+    import runpy
+    import traceback
+
+    code = 1
+    sys.path[0] = str(cwd)
+    try:
+        if argv[0] == "-m":
+            sys.argv = argv[1:]  # run_module puts the module's file first, as `python -m` has it
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)  # as `python script.py` has it; __file__ absolute, as there
+            runpy.run_path(str(Path(cwd) / argv[0]), run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    exit_without_teardown(code)
 
 
 def _name(name: str) -> None:
