@@ -154,8 +154,7 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_known_noise()
     if _under_launcher():
-        from .launcher_watch import die_with_launcher
-        from .rank_factory import name_process
+        from .launcher_watch import die_with_launcher, name_process
 
         die_with_launcher()
         name_process(f"plait-rank{os.environ.get('RANK', '')}")  # how tests and users find a rank

@@ -74,7 +74,7 @@ def rank_factory(config):
     the run (whose threads a fork would not carry): the factory imports while the launcher checks."""
     from .rank_factory import RankFactory, fork_problem
 
-    start = config.job.rank_start if config is not None else "auto"
+    start = config.job.rank_start
     if start == "spawn":
         return None
     problem = fork_problem()

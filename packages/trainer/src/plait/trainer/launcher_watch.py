@@ -13,18 +13,29 @@ import signal
 import sys
 import threading
 
-PR_SET_PDEATHSIG = 1
+PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15
 POLL_S = 1.0
 
 
-def _set_parent_death_signal() -> bool:
+def _prctl(option: int, value) -> bool:
     if not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        return libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+        return libc.prctl(option, value, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+def set_parent_death_signal() -> bool:
+    """The kernel SIGKILLs this process when its parent exits (Linux; False elsewhere)."""
+    return _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def name_process(name: str) -> None:
+    """The process's name in ps, top and /proc/PID/comm (15 characters): `plait-rank<N>` is how a
+    rank is found from outside (a forked rank's /proc environ and cmdline are the launcher's)."""
+    _prctl(PR_SET_NAME, ctypes.c_char_p(name[:15].encode()))
 
 
 def _watch(parent: int) -> None:
@@ -38,5 +49,5 @@ def die_with_launcher() -> None:
     """Call first thing in a rank started by a launcher."""
     parent = os.getppid()
     # (No "parent is 1 means orphaned" shortcut: a launcher may itself be pid 1 in a container.)
-    _set_parent_death_signal()
+    set_parent_death_signal()
     threading.Thread(target=_watch, args=(parent,), name="plait-launcher-watch", daemon=True).start()

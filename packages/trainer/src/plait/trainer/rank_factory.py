@@ -1,9 +1,9 @@
 """Forked ranks for `plait-train --nproc-per-node N`: every rank starts with torch and the trainer
 already imported.
 
-A spawned rank spends ~15 s of CPU importing torch, DTensor, dynamo, datasets and the trainer
-before its first line runs (2-core CI box, torch 2.13), and N ranks do it at once on the node's
-cores. The launcher instead forks one factory process, which makes those imports once; torch's
+A spawned rank spends seconds of CPU importing torch, DTensor, dynamo, datasets and the trainer
+before its first line runs (measured on the 2-core CI box, torch 2.13: ~6 s with cached bytecode,
+~15 s without), and N ranks do it at once on the node's cores. The launcher instead forks one factory process, which makes those imports once; torch's
 elastic agent starts rank_client.py (stdlib only, milliseconds) for each rank, and the client asks
 the factory to fork the rank. The rank is then a fresh `python -m plait.trainer` in all that a run
 can see: the client's environment, working directory, stdin / stdout / stderr, a session of its
@@ -21,8 +21,6 @@ agent's SIGKILL after the shutdown timeout reaches only the client).
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import json
 import os
 import select
@@ -36,8 +34,8 @@ from pathlib import Path
 from typing import NoReturn
 
 from .exit_codes import exit_without_teardown
+from .launcher_watch import name_process, set_parent_death_signal
 
-PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15
 # What the factory imports once, so that no rank does (a package this install lacks is skipped).
 PRELOAD = ("torch", "torch.distributed.tensor", "torch._dynamo", "datasets", "plait.trainer.cli",
            "plait.trainer.train", "plait.trainer.validate")
@@ -95,12 +93,8 @@ class RankFactory:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def _libc():
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-
-
 def _die_with_parent(parent: int) -> None:
-    _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    set_parent_death_signal()
     if os.getppid() != parent:  # it died before the signal was armed
         os._exit(1)
 
@@ -137,15 +131,22 @@ def _serve(listener: socket.socket, launcher: int) -> None:
         readable = select.select([listener, *waiting], [], [], 0.05)[0]
         if listener in readable:
             conn, _ = listener.accept()
-            message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-            request = json.loads(message)
+            try:
+                message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+                request = json.loads(message)
+            except (OSError, ValueError):  # a client killed while it asked: the others' ranks go on
+                conn.close()
+                continue
             pid = os.fork()
             if pid == 0:
                 _become_rank(request, fds)
             for fd in fds:
                 os.close(fd)
-            conn.send(str(pid).encode())
             ranks[pid], waiting[conn] = conn, pid
+            try:
+                conn.send(str(pid).encode())
+            except OSError:
+                pass  # the client is gone: the hang-up below kills the rank
         for conn in readable:
             if conn in waiting and not conn.recv(1):  # the client is gone (killed): so is its rank
                 _kill(waiting.pop(conn))
@@ -203,7 +204,7 @@ def _become_rank(request: dict, fds: list[int]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        _name(f"plait-rank{os.environ.get('RANK', '')}")
+        name_process(f"plait-rank{os.environ.get('RANK', '')}")
         sys.stdout.reconfigure(write_through=True)  # as `python -u`, which the agent runs ranks with
         sys.stderr.reconfigure(write_through=True)
         atexit._clear()  # the launcher's
@@ -237,15 +238,3 @@ def run_as_main(argv: list[str], cwd: str | Path) -> NoReturn:
     except BaseException:
         traceback.print_exc()
     exit_without_teardown(code)
-
-
-def _name(name: str) -> None:
-    """The process's name in ps, top and /proc/PID/comm (a forked rank's /proc/PID/environ and
-    cmdline are the launcher's: this is how a rank is found from outside)."""
-    try:
-        _libc().prctl(PR_SET_NAME, ctypes.c_char_p(name[:15].encode()), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
-
-
-name_process = _name
