@@ -13,6 +13,7 @@ into .nox/_torch, which each venv's path includes), and so is triton (.nox/_trit
 that install plait-models' test extra.
 """
 
+import os
 import pathlib
 import sys
 import xml.etree.ElementTree as ET
@@ -53,7 +54,6 @@ PACKAGES = {
     "plan": ["mesh", "models", "dataparallel", "data", "checkpoint", "faulttolerance", "trainer"],
 }
 ALL = list(PACKAGES)
-PARALLEL_SESSIONS = {"trainer"}  # and combos: pytest-xdist installed (see XDIST_REQUIREMENT)
 # Sibling packages a package's tests use but the package never imports: installed after its
 # import has been checked alone (the pipeline parity tests run the plait Llama 3 model).
 # plait-testing (run_on_ranks, the step sentinel) serves every package's tests: installed with
@@ -117,7 +117,6 @@ def _install_shared(session: nox.Session, requirement: str, target: pathlib.Path
 
 def _pip_find_links() -> list[str]:
     """`--find-links` for every folder pip's configuration names (PIP_FIND_LINKS, pip.conf)."""
-    import os
     import subprocess
 
     links = os.environ.get("PIP_FIND_LINKS") or subprocess.run(
@@ -126,11 +125,12 @@ def _pip_find_links() -> list[str]:
     return [arg for link in links.split() for arg in ("--find-links", link)]
 
 
-# The two long sessions' venvs have pytest-xdist: `nox -s trainer -- -n 2 --dist loadfile` runs their
-# test files on two workers (a file to a worker: its module fixtures stay shared). Not the default:
-# on a 2-core machine loaded by other jobs (load 5-11, 2026-11-29) 3 to 5 of their tests that wait on
-# timeouts (a replica group's quorum, a 600 s float8 bound) failed so, and a quiet run to weigh what
-# it saves against that was not made.
+# Every test session runs pytest on two pytest-xdist workers, a test file to a worker whole
+# (--dist loadfile: its module fixtures, such as the parity matrix's references, are built once).
+# One pytest process kept one of this 2-core machine's cores busy on average (measured 2026-12-08:
+# ~1.0-1.5 cores through the package and trainer sessions); two workers fill the other, while a
+# multi-rank file on its own (the parity matrix, ~1.9 cores) still has both. PLAIT_TEST_WORKERS=0
+# runs a session in one process.
 XDIST_REQUIREMENT = "pytest-xdist>=3.6"
 
 
@@ -140,8 +140,10 @@ def _pytest(session: nox.Session, name: str, paths: list[str], env: dict | None 
     # it imports from source, as the venvs' packages are installed --no-compile: a rank's imports
     # took ~17 s instead of ~6. Cleared here, the first process to import a module caches it.
     env = {"OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "", **(env or {})}
+    workers = os.environ.get("PLAIT_TEST_WORKERS", "2")
+    xdist = ["-n", workers, "--dist", "loadfile"] if workers != "0" else []
     session.run(
-        "python", "-m", "pytest", *paths, "-q", "-p", "no:cacheprovider",
+        "python", "-m", "pytest", *paths, "-q", "-p", "no:cacheprovider", *xdist,
         f"--junitxml={REPORTS / name}.xml", "-o", "junit_family=xunit2",
         # Checkpoints of passed tests go at once (a suite writes several GB of them).
         "-o", "tmp_path_retention_policy=failed",
@@ -154,10 +156,7 @@ def _package_session(name: str):
     def session(session: nox.Session) -> None:
         _install(session, PACKAGES[name] + [name])
         session.run("python", "-c", f"import plait.{name} as m; print('plait-{name}', m.__version__)")
-        parallel = name in PARALLEL_SESSIONS
-        if TEST_ONLY.get(name) or parallel:
-            _install_packages(session, *[f"./packages/{n}" for n in TEST_ONLY.get(name, [])],
-                              *([XDIST_REQUIREMENT] if parallel else []))
+        _install_packages(session, *[f"./packages/{n}" for n in TEST_ONLY.get(name, [])], XDIST_REQUIREMENT)
         tests = ROOT / "packages" / name / "tests"
         if any(tests.glob("test_*.py")):
             _pytest(session, name, [f"packages/{name}/tests"])
